@@ -1352,6 +1352,7 @@ def main(args: Args) -> dict:
         interrupted = True
         print(f"\ninterrupted at step {loop.global_step}: saving models/{run_name}/latest")
     finally:
+        wall = time.time() - start_time  # training time: periodic evaluations included, the final one not
         save_checkpoint(model_dir / "latest", checkpoint_state(), rb)
         if progress is not None:
             progress.update(loop.global_step - progress.n)
@@ -1359,7 +1360,6 @@ def main(args: Args) -> dict:
 
     if not interrupted:
         evaluate(loop.global_step)
-    wall = time.time() - start_time
     summary = {
         "run_name": run_name,
         "env_id": args.env_id,

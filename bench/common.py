@@ -1,0 +1,79 @@
+"""Shared pieces of the benchmarks: machine description, running a script as a subprocess, tables."""
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+FRAMEWORK = REPO / "framework"
+
+
+def machine_info() -> dict:
+    import torch
+
+    cpu = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    except OSError:
+        commit = "unknown"
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "commit": commit,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+
+
+def start_script(script: str, flags: list[str], workdir: Path, threads: int = 1, log: Path | None = None) -> subprocess.Popen:
+    """Starts framework/<script> with one torch thread (two runs side by side use a 2-core machine best)."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "MUJOCO_GL": os.environ.get("MUJOCO_GL", "egl")}
+    env.setdefault("WANDB_MODE", "offline")
+    workdir.mkdir(parents=True, exist_ok=True)
+    out = open(log, "w") if log else subprocess.DEVNULL
+    return subprocess.Popen(
+        [sys.executable, str(FRAMEWORK / script), "--no-progress-bar", *flags], cwd=workdir, env=env, stdout=out, stderr=subprocess.STDOUT
+    )
+
+
+def wait_all(processes: list[subprocess.Popen], names: list[str]) -> None:
+    for process, name in zip(processes, names):
+        if process.wait() != 0:
+            raise SystemExit(f"benchmark run {name} failed with exit code {process.returncode}")
+
+
+def read_summary(workdir: Path, run_name: str) -> dict:
+    return json.loads((workdir / "runs" / run_name / "summary.json").read_text())
+
+
+def print_table(rows: list[dict], columns: list[str]) -> None:
+    widths = [max(len(c), *(len(fmt(r.get(c))) for r in rows)) for c in columns]
+    print("  ".join(c.ljust(w) for c, w in zip(columns, widths)))
+    print("  ".join("-" * w for w in widths))
+    for r in rows:
+        print("  ".join(fmt(r.get(c)).ljust(w) for c, w in zip(columns, widths)))
+
+
+def fmt(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.3f}" if abs(value) < 10 else f"{value:.1f}"
+    return "" if value is None else str(value)
+
+
+def write_json(path: Path, payload: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2))
+    print(f"wrote {path}")

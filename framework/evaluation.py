@@ -1,0 +1,87 @@
+# Evaluate a trained policy: N episodes with deterministic actions on distinct seeds, mean ± std of
+# the environment's true return, and optionally an mp4 per episode.
+#   python framework/evaluation.py --path-to-model models/<run>/latest --env-id Hopper-v5
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import tyro
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sac_rlhf import Actor, ConfigError, check_env_id, evaluate_policy, load_checkpoint, make_env  # noqa: E402
+
+
+@dataclass
+class Args:
+    path_to_model: str
+    """checkpoint.pt of a run, or the folder holding it (models/<run>/latest)"""
+    env_id: str | None = None
+    """environment to evaluate on (default: the one the model was trained on)"""
+    episodes: int = 10
+    """number of evaluation episodes"""
+    seed: int = 0
+    """episode i is reset with seed + i"""
+    capture_video: bool = False
+    """write one mp4 per episode"""
+    video_dir: str = "videos/evaluation"
+    """where the videos go"""
+    video_width: int = 320
+    """width of the video frames"""
+    video_height: int = 240
+    """height of the video frames"""
+    output_json: str | None = None
+    """also write the returns to this JSON file"""
+
+
+def load_actor(path: str | Path, env_id: str | None = None) -> tuple[Actor, str]:
+    path = Path(path)
+    if path.is_dir():
+        path = path / "checkpoint.pt"
+    if not path.is_file():
+        raise ConfigError(f"--path-to-model {path} does not exist")
+    checkpoint = load_checkpoint(path)
+    train_args = checkpoint["args"]
+    env_id = env_id or train_args["env_id"]
+    check_env_id(env_id)
+    env = make_env(env_id, 0)()
+    space = env.action_space
+    obs_dim = int(np.prod(env.observation_space.shape))
+    env.close()
+    actor = Actor(obs_dim, space.low, space.high, train_args["actor_hidden_dim"], train_args["actor_hidden_layers"])
+    try:
+        actor.load_state_dict(checkpoint["agent"]["actor"])
+    except RuntimeError as error:
+        raise ConfigError(f"the model in {path} does not fit --env-id {env_id}: {str(error).splitlines()[0]}") from None
+    return actor, env_id
+
+
+def main(args: Args) -> dict:
+    if args.episodes < 1:
+        raise ConfigError(f"--episodes must be >= 1, got {args.episodes}")
+    actor, env_id = load_actor(args.path_to_model, args.env_id)
+    returns = []
+    for episode in range(args.episodes):
+        video = Path(args.video_dir) / f"episode_{episode}.mp4" if args.capture_video else None
+        returns += evaluate_policy(actor, env_id, 1, args.seed + episode, torch.device("cpu"), video, args.video_width, args.video_height)
+    result = {
+        "env_id": env_id,
+        "episodes": args.episodes,
+        "mean_return": float(np.mean(returns)),
+        "std_return": float(np.std(returns)),
+        "returns": returns,
+    }
+    print(f"{env_id}: {result['mean_return']:.1f} ± {result['std_return']:.1f} over {args.episodes} episodes")
+    if args.output_json:
+        Path(args.output_json).write_text(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    try:
+        main(tyro.cli(Args))
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)

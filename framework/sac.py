@@ -1,0 +1,223 @@
+# SAC on the environment's true reward: the baseline every preference-based run is compared with.
+# It is the SAC of sac_rlhf.py (same networks, update, replay buffer, evaluation and checkpoints,
+# imported from there) so that a comparison measures learning from preferences and nothing else.
+import json
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import gymnasium as gym
+import numpy as np
+import torch
+import tyro
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sac_rlhf import (  # noqa: E402
+    ConfigError,
+    ReplayBuffer,
+    SACAgent,
+    check_env_id,
+    evaluate_policy,
+    get_physics_state,
+    make_env,
+    physics_state_size,
+    save_checkpoint,
+)
+
+
+@dataclass
+class Args:
+    exp_name: str = "sac"
+    """the name of this experiment (part of the run name)"""
+    run_name: str | None = None
+    """outputs go to runs/, models/ and videos/<run_name>; default: <env>__<exp>__<seed>__<time>"""
+    seed: int = 1
+    """seed of the experiment"""
+    torch_deterministic: bool = True
+    """if toggled, `torch.backends.cudnn.deterministic=True`"""
+    cuda: bool = True
+    """if toggled, cuda will be used when available"""
+    track: bool = False
+    """if toggled, this experiment will be tracked with Weights and Biases"""
+    wandb_project_name: str = "CleanRLHF"
+    """the wandb's project name"""
+    wandb_entity: str | None = None
+    """the entity (team) of wandb's project"""
+    progress_bar: bool = True
+    """show a progress bar over the environment steps"""
+    capture_video: bool = False
+    """write mp4 videos of evaluation episodes to videos/<run_name>/"""
+    video_width: int = 320
+    """width of rendered frames"""
+    video_height: int = 240
+    """height of rendered frames"""
+    env_id: str = "Hopper-v5"
+    """the id of the environment"""
+    total_timesteps: int = 1_000_000
+    """total environment steps"""
+    buffer_size: int = 1_000_000
+    """the replay memory buffer size (capped at total_timesteps)"""
+    gamma: float = 0.99
+    """the discount factor gamma"""
+    tau: float = 0.005
+    """target smoothing coefficient"""
+    batch_size: int = 256
+    """the batch size of sample from the replay memory"""
+    learning_starts: int = 1000
+    """steps of uniformly random actions before SAC starts updating"""
+    policy_lr: float = 3e-4
+    """the learning rate of the policy network optimizer"""
+    q_lr: float = 1e-3
+    """the learning rate of the Q network optimizer"""
+    policy_frequency: int = 2
+    """the frequency of training policy (delayed)"""
+    target_network_frequency: int = 1
+    """the frequency of updates for the target networks"""
+    alpha: float = 0.2
+    """entropy regularization coefficient (initial value when autotuned)"""
+    autotune: bool = True
+    """automatic tuning of the entropy coefficient"""
+    actor_hidden_dim: int = 256
+    """width of the actor's hidden layers"""
+    actor_hidden_layers: int = 2
+    """number of hidden layers of the actor"""
+    critic_hidden_dim: int = 256
+    """width of the critics' hidden layers"""
+    critic_hidden_layers: int = 2
+    """number of hidden layers of the critics"""
+    evaluation_frequency: int = 10_000
+    """environment steps between evaluations (0: only at the end)"""
+    evaluation_episodes: int = 5
+    """episodes per evaluation (deterministic actions, distinct seeds)"""
+
+
+def main(args: Args) -> dict:
+    if args.total_timesteps <= 0 or args.learning_starts < 1:
+        raise ConfigError(
+            f"--total-timesteps and --learning-starts must be positive, got {args.total_timesteps} and {args.learning_starts}"
+        )
+    check_env_id(args.env_id)
+    envs = gym.vector.SyncVectorEnv(
+        [make_env(args.env_id, args.seed, None, args.video_width, args.video_height)], autoreset_mode=gym.vector.AutoresetMode.NEXT_STEP
+    )
+    run_name = args.run_name or f"{args.env_id.replace('/', '_')}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    run_dir, model_dir, video_dir = Path("runs") / run_name, Path("models") / run_name, Path("videos") / run_name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    from torch.utils.tensorboard import SummaryWriter
+
+    if args.track:
+        import wandb
+
+        wandb.init(
+            project=args.wandb_project_name,
+            entity=args.wandb_entity,
+            sync_tensorboard=True,
+            config=vars(args),
+            name=run_name,
+            dir=str(run_dir),
+        )
+    writer = SummaryWriter(str(run_dir))
+    (run_dir / "args.json").write_text(json.dumps(asdict(args), indent=2))
+
+    random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    torch.backends.cudnn.deterministic = args.torch_deterministic
+    device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
+    rng = np.random.default_rng(args.seed)
+
+    obs, _ = envs.reset(seed=args.seed)
+    obs_dim = int(np.prod(envs.single_observation_space.shape))
+    action_space = envs.single_action_space
+    action_dim = int(np.prod(action_space.shape))
+    agent = SACAgent(obs_dim, action_space, args, device)
+    rb = ReplayBuffer(min(args.buffer_size, args.total_timesteps), obs_dim, action_dim, physics_state_size(envs.envs[0]))
+
+    progress = None
+    if args.progress_bar:
+        from tqdm import tqdm
+
+        progress = tqdm(total=args.total_timesteps, unit="step", dynamic_ncols=True)
+    start_time, episode_id, episode_return, episode_length, last_eval = time.time(), 0, 0.0, 0, float("nan")
+
+    def evaluate(step: int) -> float:
+        video = video_dir / f"eval_step_{step}.mp4" if args.capture_video else None
+        returns = evaluate_policy(
+            agent.actor, args.env_id, args.evaluation_episodes, args.seed + 100_000, device, video, args.video_width, args.video_height
+        )
+        writer.add_scalar("eval/mean_return", float(np.mean(returns)), step)
+        writer.add_scalar("eval/std_return", float(np.std(returns)), step)
+        return float(np.mean(returns))
+
+    for global_step in range(args.total_timesteps):
+        if global_step < args.learning_starts:
+            actions = rng.uniform(action_space.low, action_space.high, size=(1, action_dim)).astype(np.float32)
+        else:
+            with torch.no_grad():
+                actions, _, _ = agent.actor.get_action(torch.as_tensor(obs, dtype=torch.float32, device=device))
+            actions = actions.cpu().numpy()
+        physics_state = get_physics_state(envs.envs[0])
+        autoreset = bool(envs._autoreset_envs[0])
+        next_obs, rewards, terminations, truncations, _ = envs.step(actions)
+        if not autoreset:  # next-step autoreset: the reset step is not a transition
+            rb.add(obs[0], next_obs[0], actions[0], rewards[0], terminations[0], episode_id, physics_state)
+            episode_return, episode_length = episode_return + float(rewards[0]), episode_length + 1
+            if terminations[0] or truncations[0]:
+                writer.add_scalar("charts/episodic_return", episode_return, global_step)
+                writer.add_scalar("charts/episodic_length", episode_length, global_step)
+                if progress is not None:
+                    progress.set_postfix(ret=f"{episode_return:.0f}", eval=f"{last_eval:.0f}", refresh=False)
+                episode_id, episode_return, episode_length = episode_id + 1, 0.0, 0
+        obs = next_obs
+
+        if global_step >= args.learning_starts:
+            idx = rb.sample_indices(args.batch_size, rng)
+            stats = agent.update(
+                torch.as_tensor(rb.obs[idx], device=device),
+                torch.as_tensor(rb.actions[idx], device=device),
+                torch.as_tensor(rb.true_rewards[idx], device=device),
+                torch.as_tensor(rb.next_obs[idx], device=device),
+                torch.as_tensor(rb.terminated[idx], device=device),
+                global_step,
+            )
+            if global_step % 100 == 0:
+                for name, value in stats.items():
+                    writer.add_scalar(f"losses/{name}", float(value), global_step)
+        if global_step % 100 == 0:
+            writer.add_scalar("charts/SPS", int((global_step + 1) / (time.time() - start_time)), global_step)
+            if progress is not None:
+                progress.update(global_step + 1 - progress.n)
+        if args.evaluation_frequency and (global_step + 1) % args.evaluation_frequency == 0 and global_step + 1 < args.total_timesteps:
+            last_eval = evaluate(global_step + 1)
+
+    if progress is not None:
+        progress.update(args.total_timesteps - progress.n)
+        progress.close()
+    wall = time.time() - start_time
+    last_eval = evaluate(args.total_timesteps)
+    save_checkpoint(model_dir / "latest", {"run_name": run_name, "args": asdict(args), "agent": agent.state_dict()}, rb)
+    summary = {
+        "run_name": run_name,
+        "env_id": args.env_id,
+        "global_step": args.total_timesteps,
+        "final_eval_return": last_eval,
+        "wall_seconds": wall,
+        "sps": args.total_timesteps / wall,
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    envs.close()
+    writer.close()
+    if args.track:
+        import wandb
+
+        wandb.finish()
+    return summary
+
+
+if __name__ == "__main__":
+    try:
+        main(tyro.cli(Args))
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)

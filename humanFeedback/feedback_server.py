@@ -1,0 +1,877 @@
+"""Human feedback server: people compare two clips of an agent and choose left / right / tie / skip.
+
+Run:  python humanFeedback/feedback_server.py --port 5001 --data-dir ./feedback_data
+
+The trainer creates a run, uploads batches of query pairs (clips + segment ids) and reads the
+answers back with a cursor; annotators open the page at ``/`` in a browser.  Everything lives in
+one SQLite database (WAL mode, synchronous=FULL) under ``--data-dir``; every write is a single
+transaction committed before the reply is sent, so an acknowledged label survives a crash.
+
+Cursor semantics of ``GET /api/runs/<run_id>/answers?after=<seq>``: every label write (create,
+edit, undo) takes the next value of one global, strictly increasing sequence number ``seq``.
+The endpoint returns, in ``seq`` order, the current state of every label whose last change is
+newer than ``after``: a created or edited label appears with its choice, an undone label appears
+once as a tombstone with ``choice == "undone"``.  ``cursor`` is the largest ``seq`` returned (or
+``after`` when nothing is new).  A reader that keys answers by ``query_id`` and lets the latest
+entry win (dropping the entry on ``"undone"``) always ends with the stored state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import hmac
+import json
+import math
+import os
+import re
+import sqlite3
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+from flask import Flask, Response, current_app, g, jsonify, request, send_from_directory
+from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
+
+CHOICES = ("left", "right", "tie", "skip")
+TOKEN_HEADER = "X-Feedback-Token"
+DEFAULT_MAX_UPLOAD_BYTES = 50 * 1024 * 1024
+CLIP_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,195}\.mp4$")
+CLIP_NAME_RULE = "a plain file name of letters, digits, '_', '-', '.' ending in .mp4 (no '/', '\\', '..' or leading dot)"
+MAX_TEXT = 200
+MAX_ANSWERS_LIMIT = 10_000
+STATIC_DIR = Path(__file__).resolve().parent / "static"
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS runs (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    name TEXT NOT NULL UNIQUE,
+    env_id TEXT,
+    created_at TEXT NOT NULL,
+    meta TEXT NOT NULL DEFAULT '{}'
+);
+CREATE TABLE IF NOT EXISTS queries (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    run_id INTEGER NOT NULL REFERENCES runs(id),
+    session,
+    left_clip TEXT NOT NULL,
+    right_clip TEXT NOT NULL,
+    left_segment_id,
+    right_segment_id,
+    created_at TEXT NOT NULL,
+    lease_annotator TEXT,
+    lease_expires REAL,
+    UNIQUE (run_id, left_clip, right_clip)
+);
+CREATE TABLE IF NOT EXISTS labels (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    query_id INTEGER NOT NULL UNIQUE REFERENCES queries(id),
+    choice TEXT NOT NULL CHECK (choice IN ('left', 'right', 'tie', 'skip')),
+    annotator TEXT NOT NULL,
+    created_at TEXT NOT NULL,
+    updated_at TEXT NOT NULL,
+    seq INTEGER NOT NULL UNIQUE
+);
+CREATE TABLE IF NOT EXISTS label_tombstones (
+    seq INTEGER PRIMARY KEY,
+    label_id INTEGER NOT NULL,
+    query_id INTEGER NOT NULL REFERENCES queries(id),
+    choice TEXT NOT NULL,
+    annotator TEXT NOT NULL,
+    created_at TEXT NOT NULL,
+    deleted_at TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS evaluations (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    run_id INTEGER NOT NULL REFERENCES runs(id),
+    clip TEXT NOT NULL,
+    predicted_return REAL NOT NULL,
+    step INTEGER NOT NULL,
+    created_at TEXT NOT NULL,
+    UNIQUE (run_id, clip)
+);
+CREATE TABLE IF NOT EXISTS sequence (
+    name TEXT PRIMARY KEY,
+    value INTEGER NOT NULL
+);
+INSERT OR IGNORE INTO sequence (name, value) VALUES ('label', 0);
+CREATE INDEX IF NOT EXISTS queries_run ON queries (run_id, session);
+CREATE INDEX IF NOT EXISTS tombstones_query ON label_tombstones (query_id);
+"""
+
+
+class ApiError(Exception):
+    """An error answered as ``{"error": message}`` with a 4xx status; raised before anything is stored."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def utc_now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+# --------------------------------------------------------------------------------------------
+# Storage
+# --------------------------------------------------------------------------------------------
+
+
+class Store:
+    def __init__(self, data_dir: Path):
+        self.data_dir = data_dir
+        self.clips_dir = data_dir / "clips"
+        self.db_path = data_dir / "feedback.sqlite3"
+        self.clips_dir.mkdir(parents=True, exist_ok=True)
+        con = self.connect()
+        try:
+            mode = con.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+            if mode.lower() != "wal":
+                raise RuntimeError(f"SQLite refused WAL mode for {self.db_path} (got {mode!r})")
+            con.executescript(SCHEMA)
+        finally:
+            con.close()
+
+    def connect(self) -> sqlite3.Connection:
+        con = sqlite3.connect(self.db_path, timeout=30, isolation_level=None, check_same_thread=False)
+        con.row_factory = sqlite3.Row
+        con.execute("PRAGMA synchronous=FULL")
+        con.execute("PRAGMA foreign_keys=ON")
+        con.execute("PRAGMA busy_timeout=30000")
+        return con
+
+    def clip_path(self, run_id: int, name: str) -> Path:
+        return self.clips_dir / str(run_id) / name
+
+
+def db() -> sqlite3.Connection:
+    if "db" not in g:
+        g.db = current_app.extensions["feedback"]["store"].connect()
+    return g.db
+
+
+@contextlib.contextmanager
+def write_transaction():
+    """One IMMEDIATE transaction: writers are serialised; any exception rolls everything back."""
+    con = db()
+    con.execute("BEGIN IMMEDIATE")
+    try:
+        yield con
+    except BaseException:
+        con.execute("ROLLBACK")
+        raise
+    con.execute("COMMIT")
+
+
+def next_seq(con: sqlite3.Connection) -> int:
+    con.execute("UPDATE sequence SET value = value + 1 WHERE name = 'label'")
+    return con.execute("SELECT value FROM sequence WHERE name = 'label'").fetchone()[0]
+
+
+def write_file_durably(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".upload-", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+# --------------------------------------------------------------------------------------------
+# Request helpers and validation
+# --------------------------------------------------------------------------------------------
+
+
+def cfg(key: str):
+    return current_app.extensions["feedback"][key]
+
+
+def now() -> float:
+    return cfg("clock")()
+
+
+def json_body() -> dict:
+    raw = request.get_data(cache=True)
+    if not raw:
+        raise ApiError(400, "The request body is empty; send a JSON object.")
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"The request body is not valid JSON ({e}); send a JSON object.") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, f"The request body must be a JSON object, got {type(body).__name__}.")
+    return body
+
+
+def text_field(body: dict, key: str, required: bool = True) -> str | None:
+    value = body.get(key)
+    if value is None and not required:
+        return None
+    if not isinstance(value, str) or not value.strip() or len(value) > MAX_TEXT:
+        shown = "missing" if value is None else repr(value)[:60]
+        raise ApiError(400, f"Field '{key}' is {shown}; it must be a non-empty string of at most {MAX_TEXT} characters.")
+    return value.strip()
+
+
+def annotator_arg(value) -> str:
+    if not isinstance(value, str) or not value.strip() or len(value.strip()) > MAX_TEXT:
+        shown = "missing" if value is None else repr(value)[:60]
+        raise ApiError(400, f"annotator is {shown}; it must be a non-empty name of at most {MAX_TEXT} characters.")
+    return value.strip()
+
+
+def id_value(value, what: str):
+    """Segment ids and sessions: an integer or a non-empty string."""
+    if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, str) and value and len(value) <= MAX_TEXT)):
+        raise ApiError(400, f"{what} is {value!r}; it must be an integer or a non-empty string.")
+    return value
+
+
+def check_clip_name(name, what: str) -> str:
+    if not isinstance(name, str) or ".." in name or not CLIP_NAME_RE.match(name):
+        raise ApiError(400, f"{what} {name!r} is not allowed; use {CLIP_NAME_RULE}.")
+    return name
+
+
+def int_arg(name: str, default: int, minimum: int = 0, maximum: int | None = None) -> int:
+    raw = request.args.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = None
+    if value is None or value < minimum or (maximum is not None and value > maximum):
+        allowed = f"an integer >= {minimum}" + (f" and <= {maximum}" if maximum is not None else "")
+        raise ApiError(400, f"Query parameter {name}={raw!r} is not allowed; use {allowed}.")
+    return value
+
+
+def require_run(con: sqlite3.Connection, run_id: int) -> sqlite3.Row:
+    row = con.execute("SELECT * FROM runs WHERE id = ?", (run_id,)).fetchone()
+    if row is None:
+        raise ApiError(404, f"Run {run_id} does not exist; create it with POST /api/runs or use an existing run id.")
+    return row
+
+
+def require_query(con: sqlite3.Connection, query_id: int) -> sqlite3.Row:
+    row = con.execute("SELECT * FROM queries WHERE id = ?", (query_id,)).fetchone()
+    if row is None:
+        raise ApiError(404, f"Query {query_id} does not exist; use a query id returned by the server.")
+    return row
+
+
+def parse_upload(field: str) -> tuple[list, dict[str, bytes]]:
+    """Reads the JSON list in form field ``field`` and the uploaded clip files keyed by filename."""
+    if not (request.content_type or "").startswith("multipart/form-data"):
+        raise ApiError(400, f"Content type {request.content_type!r} is not allowed; send multipart/form-data with a '{field}' field and the clip files.")
+    raw = request.form.get(field)
+    if raw is None:
+        raise ApiError(400, f"Form field '{field}' is missing; send it as a JSON list.")
+    try:
+        items = json.loads(raw)
+    except ValueError as e:
+        raise ApiError(400, f"Form field '{field}' is not valid JSON ({e}); send a JSON list.") from None
+    if not isinstance(items, list) or not items:
+        raise ApiError(400, f"Form field '{field}' must be a non-empty JSON list of objects.")
+    files: dict[str, bytes] = {}
+    for _field, storage in request.files.items(multi=True):
+        name = check_clip_name(storage.filename, "Uploaded file name")
+        if name in files:
+            raise ApiError(400, f"Uploaded file name {name!r} appears twice; upload each clip once.")
+        data = storage.read()
+        if len(data) < 8 or data[4:8] != b"ftyp":
+            raise ApiError(400, f"Uploaded file {name!r} is not an mp4 video (no 'ftyp' box at byte 4); upload mp4 clips only.")
+        files[name] = data
+    return items, files
+
+
+def check_item_keys(item, index: int, what: str, required: tuple[str, ...]) -> dict:
+    if not isinstance(item, dict):
+        raise ApiError(400, f"{what}[{index}] is {type(item).__name__}; each entry must be an object with keys {', '.join(required)}.")
+    missing = [k for k in required if k not in item]
+    extra = sorted(set(item) - set(required))
+    if missing or extra:
+        problem = f"lacks {', '.join(missing)}" if missing else f"has unknown keys {', '.join(extra)}"
+        raise ApiError(400, f"{what}[{index}] {problem}; each entry must have exactly the keys {', '.join(required)}.")
+    return item
+
+
+def check_files_referenced(files: dict[str, bytes], referenced: set[str]) -> None:
+    for name in referenced:
+        if name not in files:
+            raise ApiError(400, f"Clip {name!r} is referenced but was not uploaded; send it as a file part with that file name.")
+    for name in files:
+        if name not in referenced:
+            raise ApiError(400, f"Uploaded file {name!r} is not referenced by any entry; upload only the clips you reference.")
+
+
+def store_clips(run_id: int, files: dict[str, bytes], created: list[Path]) -> None:
+    """Writes new clips; an existing clip of the same name must hold the same bytes (409 otherwise).
+
+    Must run inside the write transaction (which serialises writers).  Paths written are appended
+    to ``created`` so the caller can remove them if the transaction rolls back.
+    """
+    store: Store = cfg("store")
+    pending = []
+    for name, data in files.items():
+        path = store.clip_path(run_id, name)
+        if path.exists():
+            if hashlib.sha256(path.read_bytes()).digest() != hashlib.sha256(data).digest():
+                raise ApiError(409, f"Clip {name!r} already exists in run {run_id} with different content; give new clips new names.")
+        else:
+            pending.append((path, data))
+    for path, data in pending:
+        write_file_durably(path, data)
+        created.append(path)
+
+
+def clip_url(run_id: int, name: str) -> str:
+    return f"/clips/{run_id}/{name}"
+
+
+# --------------------------------------------------------------------------------------------
+# Query / label helpers
+# --------------------------------------------------------------------------------------------
+
+
+def progress_for(con: sqlite3.Connection, run_id: int, session) -> dict:
+    session_total, session_labelled = con.execute(
+        "SELECT COUNT(*), COUNT(l.id) FROM queries q LEFT JOIN labels l ON l.query_id = q.id WHERE q.run_id = ? AND q.session IS ?",
+        (run_id, session),
+    ).fetchone()
+    total_labelled = con.execute(
+        "SELECT COUNT(*) FROM labels l JOIN queries q ON q.id = l.query_id WHERE q.run_id = ?", (run_id,)
+    ).fetchone()[0]
+    return {"session_labelled": session_labelled, "session_total": session_total, "total_labelled": total_labelled}
+
+
+def query_payload(con: sqlite3.Connection, q: sqlite3.Row) -> dict:
+    return {
+        "query_id": q["id"],
+        "run_id": q["run_id"],
+        "left_url": clip_url(q["run_id"], q["left_clip"]),
+        "right_url": clip_url(q["run_id"], q["right_clip"]),
+        "session": q["session"],
+        "lease_expires": q["lease_expires"],
+        "progress": progress_for(con, q["run_id"], q["session"]),
+    }
+
+
+def lease(con: sqlite3.Connection, query_id: int, annotator: str) -> None:
+    con.execute(
+        "UPDATE queries SET lease_annotator = ?, lease_expires = ? WHERE id = ?",
+        (annotator, now() + cfg("lease_seconds"), query_id),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Application
+# --------------------------------------------------------------------------------------------
+
+
+def create_app(
+    data_dir,
+    token: str | None = None,
+    allow_ties: bool = True,
+    allow_skip: bool = True,
+    allow_editing: bool = True,
+    playback_speed: float = 1.0,
+    lease_seconds: float = 60,
+    max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES,
+    clock=time.time,
+) -> Flask:
+    """Builds the Flask app.  ``clock`` (seconds, like ``time.time``) exists so tests can expire leases."""
+    if not (isinstance(playback_speed, (int, float)) and math.isfinite(playback_speed) and playback_speed > 0):
+        raise ValueError(f"playback_speed must be a finite number > 0, got {playback_speed!r}")
+    if not (isinstance(lease_seconds, (int, float)) and math.isfinite(lease_seconds) and lease_seconds > 0):
+        raise ValueError(f"lease_seconds must be a finite number > 0, got {lease_seconds!r}")
+    if not (isinstance(max_upload_bytes, int) and max_upload_bytes > 0):
+        raise ValueError(f"max_upload_bytes must be an integer > 0, got {max_upload_bytes!r}")
+    if token is not None and not token:
+        raise ValueError("token must be a non-empty string or None")
+
+    data_dir = Path(data_dir).resolve()
+    store = Store(data_dir)
+    choices = [c for c in CHOICES if (c != "tie" or allow_ties) and (c != "skip" or allow_skip)]
+
+    app = Flask(__name__, static_folder=None)
+    app.config["MAX_CONTENT_LENGTH"] = max_upload_bytes
+    app.config["MAX_FORM_MEMORY_SIZE"] = max_upload_bytes
+    app.config["MAX_FORM_PARTS"] = 100_000
+    app.json.sort_keys = False
+    app.extensions["feedback"] = {
+        "store": store,
+        "token": token,
+        "choices": choices,
+        "allow_editing": allow_editing,
+        "playback_speed": float(playback_speed),
+        "lease_seconds": float(lease_seconds),
+        "max_upload_bytes": max_upload_bytes,
+        "clock": clock,
+    }
+
+    @app.errorhandler(ApiError)
+    def on_api_error(e: ApiError):
+        return jsonify(error=e.message), e.status
+
+    @app.errorhandler(RequestEntityTooLarge)
+    def on_too_large(e):
+        limit = cfg("max_upload_bytes")
+        return jsonify(error=f"The upload is larger than the limit of {limit} bytes ({limit / 1048576:.1f} MiB); send smaller batches or raise --max-upload-mb."), 413
+
+    @app.errorhandler(HTTPException)
+    def on_http_error(e: HTTPException):
+        messages = {
+            404: f"No such resource: {request.path}; see the API list in feedback_server.py.",
+            405: f"Method {request.method} is not allowed for {request.path}; allowed: {', '.join(sorted(e.valid_methods or []))}.",
+        }
+        return jsonify(error=messages.get(e.code, f"{e.name}: {e.description}")), e.code
+
+    @app.before_request
+    def check_token():
+        expected = cfg("token")
+        if expected is None:
+            return None
+        given = request.headers.get(TOKEN_HEADER) or request.args.get("token")
+        if not given:
+            return jsonify(error=f"This server needs a token; send it in the {TOKEN_HEADER} header or as ?token= in the URL."), 401
+        if not hmac.compare_digest(given.encode(), expected.encode()):
+            return jsonify(error=f"The token given in the {TOKEN_HEADER} header or ?token= is wrong; use the server's --token value."), 403
+        return None
+
+    @app.after_request
+    def security_headers(resp: Response):
+        resp.headers["X-Content-Type-Options"] = "nosniff"
+        resp.headers["Referrer-Policy"] = "no-referrer"
+        return resp
+
+    @app.teardown_appcontext
+    def close_db(_exc):
+        con = g.pop("db", None)
+        if con is not None:
+            con.close()
+
+    # ---------------------------------------------------------------- page and clips
+
+    @app.get("/")
+    def page():
+        resp = send_from_directory(STATIC_DIR, "index.html", mimetype="text/html", max_age=0)
+        resp.headers["Cache-Control"] = "no-store"
+        return resp
+
+    @app.get("/clips/<int:run_id>/<path:name>")
+    def clip(run_id: int, name: str):
+        check_clip_name(name, "Clip name")
+        require_run(db(), run_id)
+        run_dir = cfg("store").clips_dir / str(run_id)
+        return send_from_directory(run_dir, name, mimetype="video/mp4", conditional=True, max_age=3600)
+
+    # ---------------------------------------------------------------- config and runs
+
+    @app.get("/api/config")
+    def config():
+        return jsonify(
+            choices=cfg("choices"),
+            allow_ties="tie" in cfg("choices"),
+            allow_skip="skip" in cfg("choices"),
+            allow_editing=cfg("allow_editing"),
+            playback_speed=cfg("playback_speed"),
+            lease_seconds=cfg("lease_seconds"),
+        )
+
+    @app.get("/api/runs")
+    def list_runs():
+        rows = db().execute("SELECT * FROM runs ORDER BY id").fetchall()
+        return jsonify(runs=[run_payload(r) for r in rows])
+
+    def run_payload(r: sqlite3.Row) -> dict:
+        return {"run_id": r["id"], "name": r["name"], "env_id": r["env_id"], "created_at": r["created_at"], "meta": json.loads(r["meta"])}
+
+    @app.post("/api/runs")
+    def create_run():
+        body = json_body()
+        extra = sorted(set(body) - {"name", "env_id", "meta"})
+        if extra:
+            raise ApiError(400, f"Unknown field(s) {', '.join(extra)}; allowed fields are name, env_id, meta.")
+        name = text_field(body, "name")
+        env_id = text_field(body, "env_id", required=False)
+        meta = body.get("meta", {})
+        if meta is None:
+            meta = {}
+        if not isinstance(meta, dict):
+            raise ApiError(400, f"Field 'meta' is {type(meta).__name__}; it must be a JSON object.")
+        with write_transaction() as con:
+            existing = con.execute("SELECT * FROM runs WHERE name = ?", (name,)).fetchone()
+            if existing is not None:
+                if existing["env_id"] != env_id:
+                    raise ApiError(409, f"Run name {name!r} already exists with env_id {existing['env_id']!r}, not {env_id!r}; use a new run name.")
+                return jsonify(run_id=existing["id"], created=False), 200
+            cur = con.execute(
+                "INSERT INTO runs (name, env_id, created_at, meta) VALUES (?, ?, ?, ?)",
+                (name, env_id, utc_now(), json.dumps(meta)),
+            )
+            run_id = cur.lastrowid
+        return jsonify(run_id=run_id, created=True), 201
+
+    @app.get("/api/runs/<int:run_id>/status")
+    def run_status(run_id: int):
+        con = db()
+        require_run(con, run_id)
+        total = con.execute("SELECT COUNT(*) FROM queries WHERE run_id = ?", (run_id,)).fetchone()[0]
+        by_choice = dict.fromkeys(CHOICES, 0)
+        for choice, n in con.execute(
+            "SELECT l.choice, COUNT(*) FROM labels l JOIN queries q ON q.id = l.query_id WHERE q.run_id = ? GROUP BY l.choice", (run_id,)
+        ):
+            by_choice[choice] = n
+        labelled = sum(by_choice.values())
+        return jsonify(run_id=run_id, queries=total, labelled=labelled, pending=total - labelled, choices=by_choice)
+
+    # ---------------------------------------------------------------- queries
+
+    @app.post("/api/runs/<int:run_id>/queries")
+    def upload_queries(run_id: int):
+        require_run(db(), run_id)
+        items, files = parse_upload("queries")
+        keys = ("left_clip", "right_clip", "left_segment_id", "right_segment_id", "session")
+        rows, referenced = [], set()
+        for i, item in enumerate(items):
+            check_item_keys(item, i, "queries", keys)
+            left = check_clip_name(item["left_clip"], f"queries[{i}].left_clip")
+            right = check_clip_name(item["right_clip"], f"queries[{i}].right_clip")
+            if left == right:
+                raise ApiError(400, f"queries[{i}] compares clip {left!r} with itself; left_clip and right_clip must differ.")
+            row = (
+                id_value(item["session"], f"queries[{i}].session"),
+                left,
+                right,
+                id_value(item["left_segment_id"], f"queries[{i}].left_segment_id"),
+                id_value(item["right_segment_id"], f"queries[{i}].right_segment_id"),
+            )
+            rows.append(row)
+            referenced.update((left, right))
+        check_files_referenced(files, referenced)
+
+        created: list[Path] = []
+        ids = []
+        try:
+            with write_transaction() as con:
+                require_run(con, run_id)
+                store_clips(run_id, files, created)
+                stamp = utc_now()
+                for i, (session, left, right, lseg, rseg) in enumerate(rows):
+                    old = con.execute(
+                        "SELECT * FROM queries WHERE run_id = ? AND left_clip = ? AND right_clip = ?", (run_id, left, right)
+                    ).fetchone()
+                    if old is None:
+                        cur = con.execute(
+                            "INSERT INTO queries (run_id, session, left_clip, right_clip, left_segment_id, right_segment_id, created_at) "
+                            "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                            (run_id, session, left, right, lseg, rseg, stamp),
+                        )
+                        ids.append(cur.lastrowid)
+                    elif (old["session"], old["left_segment_id"], old["right_segment_id"]) != (session, lseg, rseg):
+                        raise ApiError(
+                            409,
+                            f"queries[{i}] ({left!r} vs {right!r}) already exists as query {old['id']} with session "
+                            f"{old['session']!r} and segments {old['left_segment_id']!r}/{old['right_segment_id']!r}; "
+                            "re-send identical entries or use new clip names.",
+                        )
+                    else:
+                        ids.append(old["id"])
+        except BaseException:
+            for path in created:
+                with contextlib.suppress(OSError):
+                    path.unlink()
+            raise
+        return jsonify(query_ids=ids), 201
+
+    @app.get("/api/next")
+    def next_query():
+        annotator = annotator_arg(request.args.get("annotator"))
+        run_id = int_arg("run_id", default=0, minimum=1) if request.args.get("run_id") else None
+        exclude = []
+        raw_exclude = request.args.get("exclude", "")
+        for part in filter(None, (p.strip() for p in raw_exclude.split(","))):
+            if not part.isdigit():
+                raise ApiError(400, f"exclude={raw_exclude!r} is not allowed; use a comma-separated list of query ids.")
+            exclude.append(int(part))
+        with write_transaction() as con:
+            if run_id is not None:
+                require_run(con, run_id)
+            sql = (
+                "SELECT q.* FROM queries q WHERE NOT EXISTS (SELECT 1 FROM labels l WHERE l.query_id = q.id) "
+                "AND (q.lease_annotator IS NULL OR q.lease_expires <= ? OR q.lease_annotator = ?)"
+            )
+            params: list = [now(), annotator]
+            if run_id is not None:
+                sql += " AND q.run_id = ?"
+                params.append(run_id)
+            if exclude:
+                sql += f" AND q.id NOT IN ({','.join('?' * len(exclude))})"
+                params.extend(exclude)
+            q = con.execute(sql + " ORDER BY q.id LIMIT 1", params).fetchone()
+            if q is None:
+                return jsonify(waiting=True)
+            lease(con, q["id"], annotator)
+            q = con.execute("SELECT * FROM queries WHERE id = ?", (q["id"],)).fetchone()
+            payload = query_payload(con, q)
+        return jsonify(payload)
+
+    # ---------------------------------------------------------------- labels
+
+    @app.post("/api/queries/<int:query_id>/label")
+    def label(query_id: int):
+        require_query(db(), query_id)
+        body = json_body()
+        annotator = annotator_arg(body.get("annotator"))
+        choice = body.get("choice")
+        allowed = cfg("choices")
+        if choice not in allowed:
+            raise ApiError(400, f"choice {choice!r} is not allowed; use one of {', '.join(allowed)}.")
+        with write_transaction() as con:
+            q = require_query(con, query_id)
+            old = con.execute("SELECT * FROM labels WHERE query_id = ?", (query_id,)).fetchone()
+            if old is None:
+                stamp = utc_now()
+                cur = con.execute(
+                    "INSERT INTO labels (query_id, choice, annotator, created_at, updated_at, seq) VALUES (?, ?, ?, ?, ?, ?)",
+                    (query_id, choice, annotator, stamp, stamp, next_seq(con)),
+                )
+                con.execute("UPDATE queries SET lease_annotator = NULL, lease_expires = NULL WHERE id = ?", (query_id,))
+                label_id, status, updated = cur.lastrowid, 201, False
+            elif old["annotator"] != annotator:
+                raise ApiError(409, f"Query {query_id} is already labelled by another annotator; ask for a new pair with GET /api/next.")
+            elif old["choice"] == choice:
+                label_id, status, updated = old["id"], 200, False
+            elif not cfg("allow_editing"):
+                raise ApiError(409, f"Query {query_id} is already labelled {old['choice']!r} and editing is disabled on this server; labels cannot be changed.")
+            else:
+                con.execute(
+                    "UPDATE labels SET choice = ?, updated_at = ?, seq = ? WHERE id = ?",
+                    (choice, utc_now(), next_seq(con), old["id"]),
+                )
+                label_id, status, updated = old["id"], 200, True
+            progress = progress_for(con, q["run_id"], q["session"])
+        return jsonify(label_id=label_id, query_id=query_id, choice=choice, updated=updated, progress=progress), status
+
+    @app.post("/api/queries/<int:query_id>/undo")
+    def undo(query_id: int):
+        if not cfg("allow_editing"):
+            raise ApiError(403, "Undo is disabled on this server (--no-editing); labels cannot be changed.")
+        require_query(db(), query_id)
+        body = json_body()
+        annotator = annotator_arg(body.get("annotator"))
+        with write_transaction() as con:
+            old = con.execute("SELECT * FROM labels WHERE query_id = ?", (query_id,)).fetchone()
+            if old is None:
+                raise ApiError(409, f"Query {query_id} has no label to undo; only labelled queries can be undone.")
+            if old["annotator"] != annotator:
+                raise ApiError(409, f"Query {query_id} was labelled by another annotator; only your own labels can be undone.")
+            con.execute(
+                "INSERT INTO label_tombstones (seq, label_id, query_id, choice, annotator, created_at, deleted_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (next_seq(con), old["id"], query_id, old["choice"], annotator, old["created_at"], utc_now()),
+            )
+            con.execute("DELETE FROM labels WHERE id = ?", (old["id"],))
+            lease(con, query_id, annotator)
+            q = con.execute("SELECT * FROM queries WHERE id = ?", (query_id,)).fetchone()
+            payload = query_payload(con, q)
+        return jsonify(undone_label_id=old["id"], query=payload)
+
+    @app.get("/api/runs/<int:run_id>/answers")
+    def answers(run_id: int):
+        after = int_arg("after", default=0, minimum=0)
+        limit = int_arg("limit", default=MAX_ANSWERS_LIMIT, minimum=1, maximum=MAX_ANSWERS_LIMIT)
+        con = db()
+        require_run(con, run_id)
+        rows = con.execute(
+            """
+            SELECT * FROM (
+                SELECT l.seq, l.id AS label_id, l.query_id, l.choice, l.annotator, l.created_at, l.updated_at,
+                       q.left_segment_id, q.right_segment_id, q.session, q.left_clip, q.right_clip
+                FROM labels l JOIN queries q ON q.id = l.query_id
+                WHERE q.run_id = :run AND l.seq > :after
+                UNION ALL
+                SELECT t.seq, t.label_id, t.query_id, 'undone', t.annotator, t.created_at, t.deleted_at,
+                       q.left_segment_id, q.right_segment_id, q.session, q.left_clip, q.right_clip
+                FROM label_tombstones t JOIN queries q ON q.id = t.query_id
+                WHERE q.run_id = :run AND t.seq > :after
+            ) ORDER BY seq LIMIT :limit
+            """,
+            {"run": run_id, "after": after, "limit": limit},
+        ).fetchall()
+        items = [dict(r) for r in rows]
+        cursor = items[-1]["seq"] if items else after
+        return jsonify(answers=items, cursor=cursor)
+
+    # ---------------------------------------------------------------- evaluations
+
+    @app.post("/api/runs/<int:run_id>/evaluations")
+    def upload_evaluations(run_id: int):
+        require_run(db(), run_id)
+        items, files = parse_upload("evaluations")
+        rows, referenced = [], set()
+        for i, item in enumerate(items):
+            check_item_keys(item, i, "evaluations", ("clip", "predicted_return", "step"))
+            name = check_clip_name(item["clip"], f"evaluations[{i}].clip")
+            ret, step = item["predicted_return"], item["step"]
+            if isinstance(ret, bool) or not isinstance(ret, (int, float)) or not math.isfinite(ret):
+                raise ApiError(400, f"evaluations[{i}].predicted_return is {ret!r}; it must be a finite number.")
+            if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+                raise ApiError(400, f"evaluations[{i}].step is {step!r}; it must be an integer >= 0.")
+            if name in referenced:
+                raise ApiError(400, f"evaluations[{i}].clip {name!r} appears twice; each clip gets one evaluation.")
+            referenced.add(name)
+            rows.append((name, float(ret), step))
+        check_files_referenced(files, referenced)
+
+        created: list[Path] = []
+        ids = []
+        try:
+            with write_transaction() as con:
+                require_run(con, run_id)
+                store_clips(run_id, files, created)
+                stamp = utc_now()
+                for i, (name, ret, step) in enumerate(rows):
+                    old = con.execute("SELECT * FROM evaluations WHERE run_id = ? AND clip = ?", (run_id, name)).fetchone()
+                    if old is None:
+                        cur = con.execute(
+                            "INSERT INTO evaluations (run_id, clip, predicted_return, step, created_at) VALUES (?, ?, ?, ?, ?)",
+                            (run_id, name, ret, step, stamp),
+                        )
+                        ids.append(cur.lastrowid)
+                    elif (old["predicted_return"], old["step"]) != (ret, step):
+                        raise ApiError(
+                            409,
+                            f"evaluations[{i}].clip {name!r} already has predicted_return {old['predicted_return']!r} at step "
+                            f"{old['step']!r}; re-send identical entries or use a new clip name.",
+                        )
+                    else:
+                        ids.append(old["id"])
+        except BaseException:
+            for path in created:
+                with contextlib.suppress(OSError):
+                    path.unlink()
+            raise
+        return jsonify(evaluation_ids=ids), 201
+
+    @app.get("/api/runs/<int:run_id>/evaluations")
+    def list_evaluations(run_id: int):
+        con = db()
+        require_run(con, run_id)
+        rows = con.execute(
+            "SELECT * FROM evaluations WHERE run_id = ? ORDER BY predicted_return DESC, id", (run_id,)
+        ).fetchall()
+        return jsonify(
+            run_id=run_id,
+            evaluations=[
+                {
+                    "evaluation_id": r["id"],
+                    "clip": r["clip"],
+                    "url": clip_url(run_id, r["clip"]),
+                    "predicted_return": r["predicted_return"],
+                    "step": r["step"],
+                    "created_at": r["created_at"],
+                }
+                for r in rows
+            ],
+        )
+
+    return app
+
+
+# --------------------------------------------------------------------------------------------
+# Command line
+# --------------------------------------------------------------------------------------------
+
+
+class OneLineParser(argparse.ArgumentParser):
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _number(kind, name: str, check, rule: str):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or (isinstance(value, float) and not math.isfinite(value)) or not check(value):
+            raise argparse.ArgumentTypeError(f"{name} {text!r} is not allowed; use {rule}")
+        return value
+
+    return parse
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = OneLineParser(prog="feedback_server.py", description="Human feedback server for CleanRLHF (pairwise clip comparisons).")
+    p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1)")
+    p.add_argument("--port", default=5001, type=_number(int, "port", lambda v: 1 <= v <= 65535, "an integer from 1 to 65535"), help="TCP port (default 5001)")
+    p.add_argument("--data-dir", default=None, help="SQLite database and clips (default ./feedback_data under the current directory)")
+    p.add_argument("--token", default=None, help="shared secret; when set, the page and every API call need it (header X-Feedback-Token or ?token=)")
+    p.add_argument("--no-ties", action="store_true", help="do not offer 'tie'")
+    p.add_argument("--no-skip", action="store_true", help="do not offer 'skip'")
+    p.add_argument("--no-editing", action="store_true", help="labels cannot be changed or undone")
+    p.add_argument("--playback-speed", default=1.0, type=_number(float, "playback speed", lambda v: 0 < v <= 16, "a number > 0 and <= 16"), help="default clip playback speed (default 1.0)")
+    p.add_argument("--lease-seconds", default=60.0, type=_number(float, "lease seconds", lambda v: 0 < v <= 86400, "a number > 0 and <= 86400"), help="how long a shown pair is reserved for one annotator (default 60)")
+    p.add_argument("--max-upload-mb", default=50.0, type=_number(float, "max upload MB", lambda v: 0 < v <= 4096, "a number > 0 and <= 4096"), help="largest upload request in MiB (default 50)")
+    args = p.parse_args(argv)
+    if args.token is not None and not args.token.strip():
+        p.error("token '' is not allowed; use a non-empty secret or leave --token out")
+    if not args.host.strip():
+        p.error("host '' is not allowed; use an interface address such as 127.0.0.1 or 0.0.0.0")
+    data_dir = Path(args.data_dir) if args.data_dir else Path.cwd() / "feedback_data"
+    data_dir = data_dir.expanduser().resolve()
+    if data_dir.exists() and not data_dir.is_dir():
+        p.error(f"data dir {str(data_dir)!r} is not allowed; it exists and is not a directory")
+    args.data_dir = data_dir
+    return args
+
+
+def main(argv=None) -> int:
+    from werkzeug.serving import make_server
+
+    args = parse_args(argv)
+    app = create_app(
+        args.data_dir,
+        token=args.token,
+        allow_ties=not args.no_ties,
+        allow_skip=not args.no_skip,
+        allow_editing=not args.no_editing,
+        playback_speed=args.playback_speed,
+        lease_seconds=args.lease_seconds,
+        max_upload_bytes=int(args.max_upload_mb * 1024 * 1024),
+    )
+    try:
+        server = make_server(args.host, args.port, app, threaded=True)
+    except (OSError, SystemExit) as e:
+        print(f"feedback_server.py: error: cannot listen on {args.host}:{args.port} ({e}); choose a free port with --port", file=sys.stderr)
+        return 1
+    hint = " (append ?token=<your token>)" if args.token else ""
+    print(f"Feedback server on http://{args.host}:{server.server_port}/{hint}; data in {args.data_dir}", file=sys.stderr, flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
