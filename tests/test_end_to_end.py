@@ -1,0 +1,140 @@
+"""End-to-end runs of sac_rlhf.main on Hopper-v5: outputs, checkpoints, exact resume."""
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import sac_rlhf
+
+
+def small_args(run_name: str, **overrides) -> sac_rlhf.Args:
+    args = sac_rlhf.Args(
+        env_id="Hopper-v5",
+        run_name=run_name,
+        total_timesteps=1200,
+        learning_starts=200,
+        total_explore_steps=400,
+        teacher_feedback_total_queries=30,
+        teacher_feedback_num_queries_per_session=10,
+        teacher_feedback_frequency=300,
+        segment_length=20,
+        max_augmentation_offset=5,
+        min_augmentation_offset=2,
+        batch_size=64,
+        actor_hidden_dim=64,
+        critic_hidden_dim=64,
+        reward_net_hidden_dim=64,
+        reward_net_epochs=5,
+        explore_knn_sample_size=500,
+        evaluation_frequency=0,
+        evaluation_episodes=1,
+        checkpoint_frequency=0,
+        progress_bar=False,
+    )
+    return replace(args, **overrides)
+
+
+def scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(str(run_dir))
+    accumulator.Reload()
+    return {tag: [(e.step, e.value) for e in accumulator.Scalars(tag)] for tag in accumulator.Tags()["scalars"]}
+
+
+def test_pebble_run_writes_scalars_checkpoint_and_feedback(chdir_tmp):
+    args = small_args(
+        "e2e",
+        total_timesteps=2500,
+        evaluation_frequency=1000,
+        rune=True,
+        track=True,
+        capture_video=True,
+        checkpoint_frequency=1000,
+    )
+    summary = sac_rlhf.main(args)
+
+    tags = scalars(Path("runs/e2e"))
+    for tag in [
+        "charts/episodic_return",
+        "charts/SPS",
+        "losses/qf_loss",
+        "losses/actor_loss",
+        "losses/alpha",
+        "exploration/intrinsic_reward",
+        "feedback/labels_obtained",
+        "reward_model/train_accuracy",
+        "reward_model/heldout_accuracy",
+        "reward_model/reward_correlation",
+        "reward_model/pseudo_labels",
+        "rune/beta",
+        "eval/mean_return",
+    ]:
+        assert tag in tags, f"missing TensorBoard scalar {tag}"
+    # Three sessions (at 400, 700, 1000 steps) with 30 queries in all; the oracle skips none.
+    assert [v for _, v in tags["feedback/sessions"]] == [1, 2, 3]
+    assert tags["feedback/labels_obtained"][-1][1] == 30 == summary["labels_obtained"]
+    assert [s for s, _ in tags["eval/mean_return"]] == [1000, 2000, 2500]
+    # RUNE's weight decays.
+    betas = [v for _, v in tags["rune/beta"]]
+    assert betas == sorted(betas, reverse=True) and betas[0] > betas[-1]
+
+    assert Path("models/e2e/400/checkpoint.pt").is_file(), "exploration checkpoint"
+    checkpoint = torch.load("models/e2e/latest/checkpoint.pt", weights_only=False)
+    assert checkpoint["loop"]["global_step"] == 2500
+    assert len(checkpoint["preference_buffer"]["labels"]) == 30
+    with np.load("models/e2e/latest/replay_buffer.npz") as buffer:
+        assert len(buffer["obs"]) == 2500 - np.unique(buffer["episode_ids"]).size + 1  # one reset step per finished episode
+    assert sorted(p.name for p in Path("videos/e2e").glob("*.mp4")) == ["eval_step_1000.mp4", "eval_step_2000.mp4", "eval_step_2500.mp4"]
+    assert json.loads(Path("runs/e2e/summary.json").read_text())["labels_obtained"] == 30
+    assert any(Path("runs/e2e/wandb").glob("offline-run-*")), "W&B offline run"
+
+
+def final_state(run_name: str) -> dict:
+    checkpoint = torch.load(f"models/{run_name}/latest/checkpoint.pt", weights_only=False)
+    with np.load(f"models/{run_name}/latest/replay_buffer.npz") as buffer:
+        replay = {k: buffer[k].copy() for k in buffer.files}
+    return {"checkpoint": checkpoint, "replay": replay}
+
+
+def assert_same_training(a: dict, b: dict) -> None:
+    for part in ("actor", "qf", "qf_target"):
+        for name, value in a["checkpoint"]["agent"][part].items():
+            assert torch.equal(value, b["checkpoint"]["agent"][part][name]), f"{part}.{name} differs"
+    for name, value in a["checkpoint"]["reward_model"].items():
+        assert torch.equal(value, b["checkpoint"]["reward_model"][name]), f"reward_model.{name} differs"
+    np.testing.assert_array_equal(a["checkpoint"]["preference_buffer"]["labels"], b["checkpoint"]["preference_buffer"]["labels"])
+    np.testing.assert_array_equal(a["checkpoint"]["preference_buffer"]["obs_actions"], b["checkpoint"]["preference_buffer"]["obs_actions"])
+    for name in ("obs", "actions", "learned_rewards", "physics_states"):
+        np.testing.assert_array_equal(a["replay"][name], b["replay"][name])
+    loop_a, loop_b = a["checkpoint"]["loop"], b["checkpoint"]["loop"]
+    for key in ("global_step", "episode_id", "labels_obtained", "sessions_done", "episode_return"):
+        assert loop_a[key] == loop_b[key], key
+
+
+@pytest.mark.parametrize("torch_threads", [1])
+def test_resume_and_exploration_load_continue_exactly(chdir_tmp, torch_threads):
+    torch.set_num_threads(torch_threads)
+    sac_rlhf.main(small_args("whole"))
+    uninterrupted = final_state("whole")
+
+    # Stop at 700 steps (mid-episode, between feedback sessions), resume to 1200.
+    sac_rlhf.main(small_args("part", total_timesteps=700))
+    assert final_state("part")["checkpoint"]["loop"]["global_step"] == 700
+    sac_rlhf.main(small_args("part", resume="models/part/latest"))
+    assert_same_training(uninterrupted, final_state("part"))
+
+    # Start from the exploration checkpoint the uninterrupted run saved at 400 steps.
+    sac_rlhf.main(
+        small_args(
+            "loaded",
+            exploration_load=True,
+            path_to_model="models/whole/400/checkpoint.pt",
+            path_to_replay_buffer="models/whole/400/replay_buffer.npz",
+        )
+    )
+    assert_same_training(uninterrupted, final_state("loaded"))

@@ -1,0 +1,780 @@
+"""Tests of humanFeedback/feedback_server.py: every route through Flask's test client, plus a real
+server process that is killed with SIGKILL and restarted on the same data directory."""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import json
+import os
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SERVER = ROOT / "humanFeedback" / "feedback_server.py"
+
+_spec = importlib.util.spec_from_file_location("feedback_server", SERVER)
+fs = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(fs)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def fake_mp4(tag: str) -> bytes:
+    """Smallest blob the server accepts as mp4: an 'ftyp' box at byte offset 4 (content differs per tag)."""
+    return b"\x00\x00\x00\x18ftypisom\x00\x00\x02\x00isomiso2" + tag.encode()
+
+
+def real_mp4(path: Path, shade: int, frames: int = 12) -> bytes:
+    imageio_ffmpeg = pytest.importorskip("imageio_ffmpeg")
+    np = pytest.importorskip("numpy")
+    writer = imageio_ffmpeg.write_frames(
+        str(path), (64, 48), fps=12, codec="libx264", pix_fmt_out="yuv420p", macro_block_size=16, ffmpeg_log_level="error"
+    )
+    writer.send(None)
+    for i in range(frames):
+        frame = np.full((48, 64, 3), shade, dtype=np.uint8)
+        frame[:, (i * 5) % 64 :, 1] = 200
+        writer.send(frame.tobytes())
+    writer.close()
+    return path.read_bytes()
+
+
+class FakeClock:
+    def __init__(self):
+        self.t = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def snapshot(data_dir: Path) -> dict:
+    """Every row of every table plus every stored file: compared before/after a rejected request."""
+    con = sqlite3.connect(data_dir / "feedback.sqlite3")
+    try:
+        tables = [r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'table' ORDER BY name")]
+        snap = {t: con.execute(f"SELECT * FROM {t} ORDER BY rowid").fetchall() for t in tables}
+    finally:
+        con.close()
+    clips = data_dir / "clips"
+    snap["files"] = sorted((str(p.relative_to(data_dir)), p.read_bytes()) for p in clips.rglob("*") if p.is_file())
+    return snap
+
+
+def assert_error(resp, status: int, *fragments: str) -> str:
+    assert resp.status_code == status, (resp.status_code, resp.get_data(as_text=True))
+    body = resp.get_json()
+    assert isinstance(body, dict) and set(body) == {"error"}, body
+    message = body["error"]
+    assert isinstance(message, str) and message.endswith("."), message
+    for fragment in fragments:
+        assert fragment in message, (fragment, message)
+    return message
+
+
+def batch(prefix: str, n: int, session=1):
+    queries = [
+        {
+            "left_clip": f"{prefix}{i}a.mp4",
+            "right_clip": f"{prefix}{i}b.mp4",
+            "left_segment_id": 10 * i,
+            "right_segment_id": 10 * i + 1,
+            "session": session,
+        }
+        for i in range(n)
+    ]
+    files = {name: fake_mp4(name) for q in queries for name in (q["left_clip"], q["right_clip"])}
+    return queries, files
+
+
+def form(field: str, items, files: dict[str, bytes]) -> dict:
+    data = {field: items if isinstance(items, str) else json.dumps(items)}
+    data["clips"] = [(io.BytesIO(content), name) for name, content in files.items()]
+    return data
+
+
+def upload(client, run_id, queries, files, headers=None):
+    return client.post(
+        f"/api/runs/{run_id}/queries", data=form("queries", queries, files), content_type="multipart/form-data", headers=headers
+    )
+
+
+class Env:
+    def __init__(self, tmp_path: Path, **kwargs):
+        self.data_dir = tmp_path / "data"
+        self.clock = FakeClock()
+        kwargs.setdefault("clock", self.clock)
+        self.app = fs.create_app(self.data_dir, **kwargs)
+        self.client = self.app.test_client()
+
+    def run(self, name="run-a", env_id="Hopper-v5") -> int:
+        resp = self.client.post("/api/runs", json={"name": name, "env_id": env_id, "meta": {"seed": 1}})
+        assert resp.status_code == 201, resp.get_json()
+        return resp.get_json()["run_id"]
+
+    def queries(self, run_id, prefix="c", n=3, session=1) -> list[int]:
+        queries, files = batch(prefix, n, session)
+        resp = upload(self.client, run_id, queries, files)
+        assert resp.status_code == 201, resp.get_json()
+        return resp.get_json()["query_ids"]
+
+    def label(self, query_id, choice, annotator="ann"):
+        return self.client.post(f"/api/queries/{query_id}/label", json={"choice": choice, "annotator": annotator})
+
+    def answers(self, run_id, after=0):
+        resp = self.client.get(f"/api/runs/{run_id}/answers?after={after}")
+        assert resp.status_code == 200
+        return resp.get_json()
+
+    def status(self, run_id):
+        return self.client.get(f"/api/runs/{run_id}/status").get_json()
+
+    def snap(self):
+        return snapshot(self.data_dir)
+
+
+@pytest.fixture
+def env(tmp_path):
+    return Env(tmp_path)
+
+
+# ----------------------------------------------------------------------------- config, page, runs
+
+
+def test_config_reports_flags(tmp_path):
+    default = Env(tmp_path / "a").client.get("/api/config").get_json()
+    assert default["choices"] == ["left", "right", "tie", "skip"]
+    assert default["allow_editing"] is True and default["playback_speed"] == 1.0
+    restricted = Env(tmp_path / "b", allow_ties=False, allow_skip=False, allow_editing=False, playback_speed=2.0)
+    cfg = restricted.client.get("/api/config").get_json()
+    assert cfg["choices"] == ["left", "right"]
+    assert (cfg["allow_ties"], cfg["allow_skip"], cfg["allow_editing"], cfg["playback_speed"]) == (False, False, False, 2.0)
+
+
+def test_storage_is_sqlite_wal_with_expected_tables(env):
+    con = sqlite3.connect(env.data_dir / "feedback.sqlite3")
+    assert con.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    assert {"runs", "queries", "labels", "evaluations"} <= tables
+    cols = {r[1] for r in con.execute("PRAGMA table_info(queries)")}
+    assert {"run_id", "session", "left_clip", "right_clip", "left_segment_id", "right_segment_id", "lease_annotator", "lease_expires"} <= cols
+    con.close()
+
+
+def test_page_is_served_with_both_videos_and_controls(env):
+    resp = env.client.get("/")
+    assert resp.status_code == 200 and resp.mimetype == "text/html"
+    html = resp.get_data(as_text=True)
+    for needle in ("<video", "muted", "playsinline", 'data-choice="left"', 'data-choice="tie"', "Undo last", "#rewards", "localStorage"):
+        assert needle in html
+    assert "Access-Control-Allow-Origin" not in resp.headers
+
+
+def test_create_run_is_idempotent_by_name_and_listed(env):
+    run_id = env.run("r1", "Hopper-v5")
+    again = env.client.post("/api/runs", json={"name": "r1", "env_id": "Hopper-v5"})
+    assert again.status_code == 200 and again.get_json() == {"run_id": run_id, "created": False}
+    runs = env.client.get("/api/runs").get_json()["runs"]
+    assert [(r["run_id"], r["name"], r["env_id"], r["meta"]) for r in runs] == [(run_id, "r1", "Hopper-v5", {"seed": 1})]
+    assert env.status(run_id) == {"run_id": run_id, "queries": 0, "labelled": 0, "pending": 0, "choices": dict.fromkeys(fs.CHOICES, 0)}
+
+
+@pytest.mark.parametrize(
+    "body, content_type, status, fragments",
+    [
+        ("{not json", "application/json", 400, ["not valid JSON"]),
+        ("", "application/json", 400, ["empty"]),
+        ("[1, 2]", "application/json", 400, ["JSON object", "list"]),
+        ('{"env_id": "Hopper-v5"}', "application/json", 400, ["'name'", "missing"]),
+        ('{"name": 5}', "application/json", 400, ["'name'", "5"]),
+        ('{"name": "r", "meta": [1]}', "application/json", 400, ["'meta'", "object"]),
+        ('{"name": "r", "colour": 1}', "application/json", 400, ["colour", "allowed fields"]),
+        ('{"name": "r1", "env_id": "Walker2d-v5"}', "application/json", 409, ["r1", "Hopper-v5", "Walker2d-v5"]),
+    ],
+)
+def test_create_run_rejects_bad_input_and_changes_nothing(env, body, content_type, status, fragments):
+    env.run("r1", "Hopper-v5")
+    before = env.snap()
+    resp = env.client.post("/api/runs", data=body, content_type=content_type)
+    assert_error(resp, status, *fragments)
+    assert env.snap() == before
+
+
+def test_unknown_route_and_method_give_json_errors(env):
+    assert_error(env.client.get("/api/nothing"), 404, "/api/nothing")
+    assert_error(env.client.delete("/api/runs"), 405, "DELETE")
+    for path in ("/api/runs/99/status", "/api/runs/99/answers", "/api/runs/99/evaluations"):
+        assert_error(env.client.get(path), 404, "Run 99")
+
+
+# ----------------------------------------------------------------------------- query upload
+
+
+def test_upload_stores_queries_and_clips_and_is_idempotent(env):
+    run_id = env.run()
+    queries, files = batch("c", 3)
+    resp = upload(env.client, run_id, queries, files)
+    assert resp.status_code == 201
+    ids = resp.get_json()["query_ids"]
+    assert len(ids) == 3 and ids == sorted(ids)
+    for name, content in files.items():
+        assert (env.data_dir / "clips" / str(run_id) / name).read_bytes() == content
+    assert env.status(run_id)["queries"] == 3
+
+    before = env.snap()
+    again = upload(env.client, run_id, queries, files)
+    assert again.status_code == 201 and again.get_json()["query_ids"] == ids
+    assert env.snap() == before  # nothing duplicated
+
+    more, more_files = batch("d", 1)
+    mixed = upload(env.client, run_id, queries[:1] + more, {**{k: files[k] for k in ("c0a.mp4", "c0b.mp4")}, **more_files})
+    assert mixed.status_code == 201
+    assert mixed.get_json()["query_ids"][0] == ids[0] and mixed.get_json()["query_ids"][1] not in ids
+    assert env.status(run_id)["queries"] == 4
+
+
+def _bad_upload_cases():
+    """(id, mutate(queries, files) -> (queries_or_raw, files), status, fragments)."""
+
+    def set_key(i, key, value):
+        def mutate(q, f):
+            q[i][key] = value
+            return q, f
+
+        return mutate
+
+    def rename_clip(old, new):
+        def mutate(q, f):
+            for item in q:
+                for side in ("left_clip", "right_clip"):
+                    if item[side] == old:
+                        item[side] = new
+            f[new] = f.pop(old)
+            return q, f
+
+        return mutate
+
+    def replace_file(name, content):
+        def mutate(q, f):
+            f[name] = content
+            return q, f
+
+        return mutate
+
+    return [
+        ("slash-in-clip-name", rename_clip("c1a.mp4", "sub/c1a.mp4"), 400, ["sub/c1a.mp4", ".mp4"]),
+        ("dotdot-clip-name", rename_clip("c1a.mp4", "../c1a.mp4"), 400, ["../c1a.mp4", "'..'"]),
+        ("dotdot-inside-name", rename_clip("c1a.mp4", "a..b.mp4"), 400, ["a..b.mp4"]),
+        ("backslash-clip-name", rename_clip("c1a.mp4", "x\\c1a.mp4"), 400, ["c1a.mp4", "'\\'"]),
+        ("leading-dot", rename_clip("c1a.mp4", ".c1a.mp4"), 400, [".c1a.mp4", "leading dot"]),
+        ("not-mp4-extension", rename_clip("c1a.mp4", "c1a.avi"), 400, ["c1a.avi", ".mp4"]),
+        ("non-mp4-content", replace_file("c1a.mp4", b"GIF89a this is not a video at all"), 400, ["c1a.mp4", "ftyp"]),
+        ("tiny-file", replace_file("c1a.mp4", b"abc"), 400, ["c1a.mp4", "mp4"]),
+        ("missing-clip", lambda q, f: (q, {k: v for k, v in f.items() if k != "c1b.mp4"}), 400, ["c1b.mp4", "not uploaded"]),
+        ("unreferenced-file", replace_file("extra.mp4", fake_mp4("extra")), 400, ["extra.mp4", "not referenced"]),
+        ("missing-key", lambda q, f: (q[:1] + [{k: v for k, v in q[1].items() if k != "session"}], f), 400, ["queries[1]", "session"]),
+        ("unknown-key", set_key(1, "colour", "red"), 400, ["queries[1]", "colour"]),
+        ("same-clip-twice", set_key(1, "right_clip", "c1a.mp4"), 400, ["c1a.mp4", "differ"]),
+        ("bool-session", set_key(1, "session", True), 400, ["queries[1].session", "integer"]),
+        ("null-segment", set_key(1, "left_segment_id", None), 400, ["left_segment_id", "None"]),
+        ("not-an-object", lambda q, f: (q[:1] + ["c1a.mp4"], f), 400, ["queries[1]", "object"]),
+        ("malformed-json", lambda q, f: ("[{not json", f), 400, ["'queries'", "not valid JSON"]),
+        ("not-a-list", lambda q, f: ('{"left_clip": "a.mp4"}', f), 400, ["'queries'", "list"]),
+        ("empty-list", lambda q, f: ("[]", {}), 400, ["'queries'", "non-empty"]),
+    ]
+
+
+@pytest.mark.parametrize("case", _bad_upload_cases(), ids=lambda c: c[0])
+def test_upload_rejects_bad_batches_all_or_nothing(env, case):
+    _, mutate, status, fragments = case
+    run_id = env.run()
+    env.queries(run_id, prefix="old", n=1)
+    queries, files = batch("c", 2)  # entry 0 is valid: it must not be stored either
+    queries, files = mutate(queries, files)
+    before = env.snap()
+    assert_error(upload(env.client, run_id, queries, files), status, *fragments)
+    assert env.snap() == before
+
+
+def test_upload_rejects_uploaded_file_name_with_path(env):
+    run_id = env.run()
+    queries, files = batch("c", 1)
+    data = form("queries", queries, files)
+    data["clips"].append((io.BytesIO(fake_mp4("x")), "../../evil.mp4"))
+    before = env.snap()
+    resp = env.client.post(f"/api/runs/{run_id}/queries", data=data, content_type="multipart/form-data")
+    assert_error(resp, 400, "../../evil.mp4")
+    assert env.snap() == before and not list(env.data_dir.parent.rglob("evil.mp4"))
+
+
+def test_upload_rejects_missing_field_json_body_and_unknown_run(env):
+    run_id = env.run()
+    before = env.snap()
+    resp = env.client.post(f"/api/runs/{run_id}/queries", data={"clips": []}, content_type="multipart/form-data")
+    assert_error(resp, 400, "'queries'", "missing")
+    assert_error(env.client.post(f"/api/runs/{run_id}/queries", json=[]), 400, "application/json", "multipart/form-data")
+    queries, files = batch("c", 1)
+    assert_error(upload(env.client, 999, queries, files), 404, "Run 999")
+    assert env.snap() == before
+
+
+def test_upload_over_size_limit_is_413_json(tmp_path):
+    env = Env(tmp_path, max_upload_bytes=4096)
+    run_id = env.run()
+    queries, files = batch("c", 1)
+    files["c0a.mp4"] = fake_mp4("big") + b"\x00" * 8000
+    before = env.snap()
+    assert_error(upload(env.client, run_id, queries, files), 413, "4096 bytes", "--max-upload-mb")
+    assert env.snap() == before
+
+
+def test_upload_conflicts_are_409_and_change_nothing(env):
+    run_id = env.run()
+    queries, files = batch("c", 2)
+    assert upload(env.client, run_id, queries, files).status_code == 201
+    before = env.snap()
+
+    changed = json.loads(json.dumps(queries))
+    changed[1]["left_segment_id"] = 777
+    assert_error(upload(env.client, run_id, changed, files), 409, "queries[1]", "already exists")
+    assert env.snap() == before
+
+    new_queries, new_files = batch("n", 1)
+    new_queries[0]["right_clip"] = "c0a.mp4"  # reuses a stored name with different bytes
+    new_files.pop("n0b.mp4")
+    new_files["c0a.mp4"] = fake_mp4("different bytes")
+    assert_error(upload(env.client, run_id, new_queries, new_files), 409, "c0a.mp4", "different content")
+    assert env.snap() == before
+
+
+# ----------------------------------------------------------------------------- leases / next
+
+
+def test_next_leases_one_query_per_annotator_and_reassigns_expired(tmp_path):
+    env = Env(tmp_path, lease_seconds=60)
+    run_id = env.run()
+    q1, q2, q3 = env.queries(run_id, n=3)
+
+    alice = env.client.get("/api/next?annotator=alice").get_json()
+    bob = env.client.get("/api/next?annotator=bob").get_json()
+    assert alice["query_id"] == q1 and bob["query_id"] == q2
+    assert alice["left_url"] == f"/clips/{run_id}/c0a.mp4" and alice["right_url"] == f"/clips/{run_id}/c0b.mp4"
+    assert alice["session"] == 1
+    assert alice["progress"] == {"session_labelled": 0, "session_total": 3, "total_labelled": 0}
+    # the holder gets the same query back (page reload), others do not
+    assert env.client.get("/api/next?annotator=alice").get_json()["query_id"] == q1
+    # prefetch: alice keeps q1 and also leases q3
+    assert env.client.get(f"/api/next?annotator=alice&exclude={q1}").get_json()["query_id"] == q3
+    assert env.client.get("/api/next?annotator=carol").get_json() == {"waiting": True}
+
+    env.clock.t += 61  # every lease expired: the oldest goes to whoever asks
+    assert env.client.get("/api/next?annotator=carol").get_json()["query_id"] == q1
+    assert env.client.get("/api/next?annotator=alice").get_json()["query_id"] == q2
+    con = sqlite3.connect(env.data_dir / "feedback.sqlite3")
+    leases = dict(con.execute("SELECT id, lease_annotator FROM queries"))
+    con.close()
+    assert leases[q1] == "carol" and leases[q2] == "alice"
+
+    assert env.label(q1, "left", "carol").status_code == 201
+    progress = env.client.get(f"/api/next?annotator=alice&exclude={q2}").get_json()["progress"]
+    assert progress == {"session_labelled": 1, "session_total": 3, "total_labelled": 1}
+
+
+def test_next_waiting_run_filter_and_bad_params(env):
+    assert env.client.get("/api/next?annotator=a").get_json() == {"waiting": True}
+    run_a, run_b = env.run("a"), env.run("b")
+    env.queries(run_a, prefix="a", n=1)
+    (qb,) = env.queries(run_b, prefix="b", n=1)
+    got = env.client.get(f"/api/next?annotator=x&run_id={run_b}").get_json()
+    assert got["query_id"] == qb and got["run_id"] == run_b
+    before = env.snap()
+    assert_error(env.client.get("/api/next"), 400, "annotator", "missing")
+    assert_error(env.client.get("/api/next?annotator=%20"), 400, "annotator")
+    assert_error(env.client.get("/api/next?annotator=x&exclude=1,abc"), 400, "1,abc", "comma-separated")
+    assert_error(env.client.get("/api/next?annotator=x&run_id=zz"), 400, "run_id='zz'")
+    assert_error(env.client.get("/api/next?annotator=x&run_id=42"), 404, "Run 42")
+    assert env.snap() == before
+
+
+# ----------------------------------------------------------------------------- labels
+
+
+def test_label_create_repeat_edit_and_other_annotator(env):
+    run_id = env.run()
+    q1, q2, _ = env.queries(run_id)
+    first = env.label(q1, "left", "alice")
+    assert first.status_code == 201
+    body = first.get_json()
+    label_id = body["label_id"]
+    assert body["progress"] == {"session_labelled": 1, "session_total": 3, "total_labelled": 1}
+
+    before = env.snap()
+    repeat = env.label(q1, "left", "alice")
+    assert repeat.status_code == 200 and repeat.get_json()["label_id"] == label_id
+    assert env.snap() == before  # one row, nothing touched
+
+    assert_error(env.label(q1, "right", "bob"), 409, f"Query {q1}", "another annotator")
+    assert env.snap() == before
+
+    edit = env.label(q1, "right", "alice")
+    assert edit.status_code == 200 and edit.get_json()["label_id"] == label_id and edit.get_json()["updated"] is True
+    con = sqlite3.connect(env.data_dir / "feedback.sqlite3")
+    assert con.execute("SELECT id, choice, annotator FROM labels").fetchall() == [(label_id, "right", "alice")]
+    con.close()
+    assert env.status(run_id)["choices"]["right"] == 1 and env.status(run_id)["labelled"] == 1
+    assert env.label(q2, "skip", "bob").status_code == 201
+    assert env.status(run_id)["pending"] == 1
+
+
+def test_label_conflicting_choice_is_409_without_editing(tmp_path):
+    env = Env(tmp_path, allow_editing=False)
+    run_id = env.run()
+    (q1,) = env.queries(run_id, n=1)
+    assert env.label(q1, "left").status_code == 201
+    before = env.snap()
+    assert_error(env.label(q1, "right"), 409, "'left'", "editing is disabled")
+    assert env.label(q1, "left").status_code == 200
+    assert env.snap() == before
+
+
+@pytest.mark.parametrize(
+    "flags, payload, status, fragments",
+    [
+        ({"allow_ties": False}, {"choice": "tie", "annotator": "a"}, 400, ["'tie'", "left, right, skip"]),
+        ({"allow_skip": False}, {"choice": "skip", "annotator": "a"}, 400, ["'skip'", "left, right, tie"]),
+        ({}, {"choice": "up", "annotator": "a"}, 400, ["'up'", "left, right, tie, skip"]),
+        ({}, {"choice": None, "annotator": "a"}, 400, ["None"]),
+        ({}, {"choice": "left"}, 400, ["annotator", "missing"]),
+        ({}, {"choice": "left", "annotator": ""}, 400, ["annotator"]),
+        ({}, {"choice": "left", "annotator": 7}, 400, ["annotator", "7"]),
+        ({}, "{broken", 400, ["not valid JSON"]),
+        ({}, '"left"', 400, ["JSON object"]),
+    ],
+)
+def test_label_rejects_bad_input(tmp_path, flags, payload, status, fragments):
+    env = Env(tmp_path, **flags)
+    run_id = env.run()
+    (q1,) = env.queries(run_id, n=1)
+    before = env.snap()
+    if isinstance(payload, str):
+        resp = env.client.post(f"/api/queries/{q1}/label", data=payload, content_type="application/json")
+    else:
+        resp = env.client.post(f"/api/queries/{q1}/label", json=payload)
+    assert_error(resp, status, *fragments)
+    assert env.snap() == before
+
+
+def test_label_and_undo_unknown_query_is_404(env):
+    env.queries(env.run(), n=1)
+    before = env.snap()
+    assert_error(env.label(12345, "left"), 404, "Query 12345")
+    assert_error(env.client.post("/api/queries/12345/undo", json={"annotator": "a"}), 404, "Query 12345")
+    assert env.snap() == before
+
+
+def test_undo_makes_query_pending_and_leaves_a_tombstone(env):
+    run_id = env.run()
+    q1, _, _ = env.queries(run_id)
+    label_id = env.label(q1, "left", "alice").get_json()["label_id"]
+    cursor = env.answers(run_id)["cursor"]
+
+    before = env.snap()
+    assert_error(env.client.post(f"/api/queries/{q1}/undo", json={"annotator": "bob"}), 409, "another annotator")
+    assert_error(env.client.post(f"/api/queries/{q1}/undo", json={}), 400, "annotator")
+    assert_error(env.client.post(f"/api/queries/{q1}/undo", data="{", content_type="application/json"), 400, "JSON")
+    assert env.snap() == before
+
+    resp = env.client.post(f"/api/queries/{q1}/undo", json={"annotator": "alice"})
+    assert resp.status_code == 200
+    body = resp.get_json()
+    assert body["undone_label_id"] == label_id and body["query"]["query_id"] == q1
+    assert env.status(run_id)["labelled"] == 0 and env.status(run_id)["pending"] == 3
+    # the query is leased back to alice, so she sees it next; bob does not
+    assert env.client.get("/api/next?annotator=bob").get_json()["query_id"] != q1
+    assert env.client.get("/api/next?annotator=alice").get_json()["query_id"] == q1
+
+    news = env.answers(run_id, after=cursor)
+    assert [(a["label_id"], a["query_id"], a["choice"]) for a in news["answers"]] == [(label_id, q1, "undone")]
+    before = env.snap()
+    assert_error(env.client.post(f"/api/queries/{q1}/undo", json={"annotator": "alice"}), 409, "no label")
+    assert env.snap() == before
+
+    relabel = env.label(q1, "right", "alice")
+    assert relabel.status_code == 201 and relabel.get_json()["label_id"] != label_id
+    final = env.answers(run_id, after=news["cursor"])["answers"]
+    assert [(a["query_id"], a["choice"]) for a in final] == [(q1, "right")]
+
+
+def test_undo_is_forbidden_without_editing(tmp_path):
+    env = Env(tmp_path, allow_editing=False)
+    (q1,) = env.queries(env.run(), n=1)
+    env.label(q1, "left")
+    before = env.snap()
+    assert_error(env.client.post(f"/api/queries/{q1}/undo", json={"annotator": "ann"}), 403, "--no-editing")
+    assert env.snap() == before
+
+
+# ----------------------------------------------------------------------------- answers cursor
+
+
+def test_answers_cursor_redelivers_edits_and_never_deletes(env):
+    run_id = env.run()
+    q1, q2, q3 = env.queries(run_id, n=3, session="s1")
+    l1 = env.label(q1, "left").get_json()["label_id"]
+    l2 = env.label(q2, "tie").get_json()["label_id"]
+
+    first = env.answers(run_id)
+    assert [(a["label_id"], a["query_id"], a["choice"]) for a in first["answers"]] == [(l1, q1, "left"), (l2, q2, "tie")]
+    a0 = first["answers"][0]
+    assert (a0["left_segment_id"], a0["right_segment_id"], a0["session"], a0["annotator"]) == (0, 1, "s1", "ann")
+    assert a0["created_at"] and a0["updated_at"] and a0["left_clip"] == "c0a.mp4"
+    cursor = first["cursor"]
+    assert cursor == max(a["seq"] for a in first["answers"])
+    assert env.answers(run_id, after=cursor) == {"answers": [], "cursor": cursor}
+
+    env.label(q1, "right")  # edit: re-delivered after the cursor with the same label_id
+    l3 = env.label(q3, "skip").get_json()["label_id"]
+    news = env.answers(run_id, after=cursor)
+    assert [(a["label_id"], a["choice"]) for a in news["answers"]] == [(l1, "right"), (l3, "skip")]
+    assert news["cursor"] > cursor
+
+    # reading never deletes: from 0 the current state of every label, in sequence order
+    full = env.answers(run_id)["answers"]
+    assert [(a["label_id"], a["choice"]) for a in full] == [(l2, "tie"), (l1, "right"), (l3, "skip")]
+    page = env.client.get(f"/api/runs/{run_id}/answers?after=0&limit=2").get_json()
+    assert len(page["answers"]) == 2 and page["cursor"] == page["answers"][-1]["seq"]
+
+    other = env.run("other")
+    assert env.answers(other) == {"answers": [], "cursor": 0}
+    for bad in ("-1", "x", "1.5"):
+        assert_error(env.client.get(f"/api/runs/{run_id}/answers?after={bad}"), 400, f"after={bad!r}", "integer >= 0")
+    assert_error(env.client.get(f"/api/runs/{run_id}/answers?limit=0"), 400, "limit")
+
+
+# ----------------------------------------------------------------------------- evaluations
+
+
+def eval_upload(client, run_id, items, files):
+    return client.post(
+        f"/api/runs/{run_id}/evaluations", data=form("evaluations", items, files), content_type="multipart/form-data"
+    )
+
+
+def test_evaluations_sorted_by_predicted_return_and_idempotent(env):
+    run_id = env.run()
+    items = [{"clip": f"ev{i}.mp4", "predicted_return": r, "step": 1000 * i} for i, r in enumerate([1.5, 9.0, -2.0])]
+    files = {it["clip"]: fake_mp4(it["clip"]) for it in items}
+    resp = eval_upload(env.client, run_id, items, files)
+    assert resp.status_code == 201 and len(resp.get_json()["evaluation_ids"]) == 3
+    listed = env.client.get(f"/api/runs/{run_id}/evaluations").get_json()["evaluations"]
+    assert [(e["clip"], e["predicted_return"], e["step"]) for e in listed] == [("ev1.mp4", 9.0, 1000), ("ev0.mp4", 1.5, 0), ("ev2.mp4", -2.0, 2000)]
+    assert listed[0]["url"] == f"/clips/{run_id}/ev1.mp4"
+    assert env.client.get(listed[0]["url"]).get_data() == files["ev1.mp4"]
+    before = env.snap()
+    again = eval_upload(env.client, run_id, items, files)
+    assert again.status_code == 201 and again.get_json() == resp.get_json()
+    assert env.snap() == before
+
+
+@pytest.mark.parametrize(
+    "item, files, status, fragments",
+    [
+        ({"clip": "e.mp4", "predicted_return": float("nan"), "step": 1}, None, 400, ["predicted_return", "finite"]),
+        ({"clip": "e.mp4", "predicted_return": "high", "step": 1}, None, 400, ["'high'", "number"]),
+        ({"clip": "e.mp4", "predicted_return": 1.0, "step": -5}, None, 400, ["step", "-5"]),
+        ({"clip": "e.mp4", "predicted_return": 1.0, "step": True}, None, 400, ["step", "True"]),
+        ({"clip": "../e.mp4", "predicted_return": 1.0, "step": 1}, {"../e.mp4": fake_mp4("e")}, 400, ["../e.mp4"]),
+        ({"clip": "e.mp4", "predicted_return": 1.0, "step": 1}, {"e.mp4": b"plain text"}, 400, ["e.mp4", "ftyp"]),
+        ({"clip": "e.mp4", "predicted_return": 1.0, "step": 1}, {}, 400, ["e.mp4", "not uploaded"]),
+        ({"clip": "kept.mp4", "predicted_return": 3.0, "step": 1}, {"kept.mp4": fake_mp4("kept")}, 409, ["kept.mp4", "already has"]),
+    ],
+)
+def test_evaluations_reject_bad_input(env, item, files, status, fragments):
+    run_id = env.run()
+    kept = [{"clip": "kept.mp4", "predicted_return": 2.0, "step": 1}]
+    assert eval_upload(env.client, run_id, kept, {"kept.mp4": fake_mp4("kept")}).status_code == 201
+    files = {"e.mp4": fake_mp4("e")} if files is None else files
+    before = env.snap()
+    assert_error(eval_upload(env.client, run_id, [item], files), status, *fragments)
+    assert_error(eval_upload(env.client, 77, [item], files), 404, "Run 77")
+    assert env.snap() == before
+
+
+# ----------------------------------------------------------------------------- clips
+
+
+def test_clips_are_served_only_from_the_data_dir(env, tmp_path):
+    run_id = env.run()
+    video = real_mp4(tmp_path / "v.mp4", 90)
+    resp = upload(
+        env.client, run_id, [{"left_clip": "v.mp4", "right_clip": "w.mp4", "left_segment_id": 1, "right_segment_id": 2, "session": 1}],
+        {"v.mp4": video, "w.mp4": fake_mp4("w")},
+    )  # fmt: skip
+    assert resp.status_code == 201
+    got = env.client.get(f"/clips/{run_id}/v.mp4")
+    assert got.status_code == 200 and got.mimetype == "video/mp4" and got.get_data() == video
+    ranged = env.client.get(f"/clips/{run_id}/v.mp4", headers={"Range": "bytes=0-99"})
+    assert ranged.status_code == 206 and ranged.get_data() == video[:100]
+
+    (env.data_dir / "secret.mp4").write_bytes(b"outside")
+    for path in (f"/clips/{run_id}/../secret.mp4", f"/clips/{run_id}/..%2Fsecret.mp4", f"/clips/{run_id}/a/b.mp4", f"/clips/{run_id}/feedback.sqlite3"):
+        resp = env.client.get(path)
+        assert resp.status_code in (400, 404), path
+        assert b"outside" not in resp.get_data() and "error" in resp.get_json()
+    assert_error(env.client.get(f"/clips/{run_id}/..%5Csecret.mp4"), 400, "'\\'")
+    assert_error(env.client.get(f"/clips/{run_id}/missing.mp4"), 404)
+    assert_error(env.client.get("/clips/999/v.mp4"), 404, "Run 999")
+
+
+# ----------------------------------------------------------------------------- token
+
+
+def test_token_is_required_everywhere(tmp_path):
+    env = Env(tmp_path, token="s3cret")
+    good = {"X-Feedback-Token": "s3cret"}
+    for path in ("/", "/api/config", "/api/runs", "/api/next?annotator=a", "/clips/1/a.mp4"):
+        assert_error(env.client.get(path), 401, "X-Feedback-Token")
+        assert_error(env.client.get(path, headers={"X-Feedback-Token": "nope"}), 403, "wrong")
+    before = env.snap()
+    assert_error(env.client.post("/api/runs", json={"name": "r"}), 401, "token")
+    assert_error(env.client.post("/api/runs", json={"name": "r"}, headers={"X-Feedback-Token": "nope"}), 403, "wrong")
+    assert env.snap() == before
+
+    resp = env.client.post("/api/runs", json={"name": "r"}, headers=good)
+    assert resp.status_code == 201
+    run_id = resp.get_json()["run_id"]
+    queries, files = batch("c", 1)
+    assert_error(upload(env.client, run_id, queries, files), 401, "token")
+    assert upload(env.client, run_id, queries, files, headers=good).status_code == 201
+    assert env.client.get("/?token=s3cret").status_code == 200
+    assert env.client.get(f"/clips/{run_id}/c0a.mp4?token=s3cret").get_data() == files["c0a.mp4"]
+    assert env.client.get("/api/next?annotator=a&token=s3cret").get_json()["query_id"] >= 1
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def test_cli_defaults_and_data_dir_relative_to_cwd(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    args = fs.parse_args([])
+    assert (args.host, args.port, args.playback_speed, args.lease_seconds, args.max_upload_mb) == ("127.0.0.1", 5001, 1.0, 60.0, 50.0)
+    assert args.data_dir == tmp_path.resolve() / "feedback_data"
+    assert (args.token, args.no_ties, args.no_skip, args.no_editing) == (None, False, False, False)
+
+
+@pytest.mark.parametrize(
+    "argv, fragments",
+    [
+        (["--port", "70000"], ["'70000'", "1 to 65535"]),
+        (["--port", "http"], ["'http'", "1 to 65535"]),
+        (["--playback-speed", "0"], ["'0'", "> 0"]),
+        (["--playback-speed", "-1"], ["'-1'", "> 0"]),
+        (["--lease-seconds", "nan"], ["'nan'", "> 0"]),
+        (["--max-upload-mb", "0"], ["'0'", "> 0"]),
+        (["--token", ""], ["token", "non-empty"]),
+    ],
+)
+def test_cli_rejects_bad_values_with_one_line(argv, fragments, capsys):
+    with pytest.raises(SystemExit) as exc:
+        fs.parse_args(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    for fragment in fragments:
+        assert fragment in err
+
+
+def test_cli_bad_value_in_a_real_process(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, str(SERVER), "--port", "0", "--data-dir", str(tmp_path / "d")], capture_output=True, text=True, timeout=30
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and "'0'" in proc.stderr and "1 to 65535" in proc.stderr
+    assert not (tmp_path / "d").exists()
+
+
+# ----------------------------------------------------------------------------- real server process
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(data_dir: Path, *extra: str):
+    requests = pytest.importorskip("requests")
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, str(SERVER), "--port", str(port), "--data-dir", str(data_dir), *extra],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        cwd=data_dir.parent,
+    )
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited with {proc.returncode}: {proc.stderr.read().decode()}")
+        try:
+            requests.get(base + "/api/config", timeout=1)
+            return proc, base
+        except requests.ConnectionError:
+            time.sleep(0.1)
+    proc.kill()
+    raise AssertionError("server did not start within 20 s")
+
+
+def test_real_server_survives_sigkill_without_losing_labels(tmp_path):
+    requests = pytest.importorskip("requests")
+    data_dir = tmp_path / "data"
+    proc, base = start_server(data_dir)
+    try:
+        run_id = requests.post(base + "/api/runs", json={"name": "kill-test", "env_id": "Hopper-v5"}, timeout=5).json()["run_id"]
+        queries, files = batch("k", 4)
+        resp = requests.post(
+            f"{base}/api/runs/{run_id}/queries",
+            data={"queries": json.dumps(queries)},
+            files=[("clips", (name, content, "video/mp4")) for name, content in files.items()],
+            timeout=10,
+        )
+        assert resp.status_code == 201
+        ids = resp.json()["query_ids"]
+        assert requests.post(f"{base}/api/queries/{ids[0]}/label", json={"choice": "left", "annotator": "a"}, timeout=5).status_code == 201
+        assert requests.post(f"{base}/api/queries/{ids[1]}/label", json={"choice": "right", "annotator": "a"}, timeout=5).status_code == 201
+        read = requests.get(f"{base}/api/runs/{run_id}/answers", params={"after": 0}, timeout=5).json()
+        assert [(x["query_id"], x["choice"]) for x in read["answers"]] == [(ids[0], "left"), (ids[1], "right")]
+        cursor = read["cursor"]
+        # acknowledged right before the kill: must survive too
+        assert requests.post(f"{base}/api/queries/{ids[2]}/label", json={"choice": "tie", "annotator": "b"}, timeout=5).status_code == 201
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        proc.stderr.close()
+    assert proc.returncode == -signal.SIGKILL
+
+    proc, base = start_server(data_dir)
+    try:
+        status = requests.get(f"{base}/api/runs/{run_id}/status", timeout=5).json()
+        assert (status["queries"], status["labelled"], status["pending"]) == (4, 3, 1)
+        after = requests.get(f"{base}/api/runs/{run_id}/answers", params={"after": cursor}, timeout=5).json()
+        assert [(x["query_id"], x["choice"]) for x in after["answers"]] == [(ids[2], "tie")]
+        pending = requests.get(f"{base}/api/next", params={"annotator": "c"}, timeout=5).json()
+        assert pending["query_id"] == ids[3]
+        assert requests.get(base + pending["left_url"], timeout=5).content == files["k3a.mp4"]
+        assert requests.post(f"{base}/api/queries/{ids[3]}/label", json={"choice": "skip", "annotator": "c"}, timeout=5).status_code == 201
+        final = requests.get(f"{base}/api/runs/{run_id}/answers", params={"after": after["cursor"]}, timeout=5).json()
+        assert [(x["query_id"], x["choice"]) for x in final["answers"]] == [(ids[3], "skip")]
+        assert final["cursor"] > after["cursor"] > cursor
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+        proc.stderr.close()
