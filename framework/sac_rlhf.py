@@ -645,8 +645,8 @@ class ReplayBuffer:
         idx = (starts[..., None] + np.arange(length)) % self.capacity
         mask = self.episode_ids[idx] == self.episode_ids[starts][..., None]
         mask &= np.cumprod(mask, axis=-1).astype(bool)  # stop at the first step of another episode
-        if not self.full:
-            mask &= (starts[..., None] + np.arange(length)) < self.pos
+        oldest = self.pos if self.full else 0  # never run past the newest transition (into the oldest)
+        mask &= ((starts[..., None] - oldest) % self.capacity + np.arange(length)) < self.size
         return idx, mask
 
     def sample_segment_pairs(self, num_pairs: int, length: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
@@ -872,9 +872,11 @@ def preference_accuracy(model: RewardEnsemble, prefs: PreferenceBuffer, indices:
 def temporal_crop_masks(
     shape: tuple, length: int, min_offset: int, max_offset: int, generator: torch.Generator | None = None
 ) -> torch.Tensor:
-    """Masks (*shape, length) keeping a random window of length in [L - max_offset, L - min_offset]
-    per segment at a random start, as SURF's temporal cropping."""
-    crop_len = torch.randint(length - max_offset, length - min_offset + 1, shape, generator=generator)
+    """Masks (*shape, length) for pairs (shape[-1] == 2), as SURF's temporal cropping: each segment keeps a
+    window at its own random start; both segments of a pair keep the same random length in
+    [L - max_offset, L - min_offset], since comparing summed rewards over unequal lengths biases the label."""
+    crop_len = torch.randint(length - max_offset, length - min_offset + 1, shape[:-1], generator=generator)
+    crop_len = crop_len[..., None].expand(shape)
     start = (torch.rand(shape, generator=generator) * (length - crop_len + 1)).long()
     steps = torch.arange(length)
     return (steps >= start[..., None]) & (steps < (start + crop_len)[..., None])
@@ -1000,12 +1002,12 @@ def train_reward_model(
             if args.surf and args.unlabeled_batch_ratio > 0:
                 ssl_loss, confident_count = surf_loss(model, rb, batch.shape[1] * args.unlabeled_batch_ratio, args, rng, device)
                 loss = loss + args.lambda_ssl * ssl_loss
-                ssl_losses.append(float(ssl_loss))
+                ssl_losses.append(ssl_loss.item())
                 stats["pseudo_labels"] += confident_count
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
-            losses.append(float(loss) / ensemble)
+            losses.append(loss.item() / ensemble)
         stats["train_loss"], stats["epochs"] = float(np.mean(losses)), epoch + 1
         stats["ssl_loss"] = float(np.mean(ssl_losses)) if ssl_losses else 0.0
         if preference_accuracy(model, prefs, train_idx, device) >= args.reward_net_target_accuracy:

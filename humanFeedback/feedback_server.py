@@ -1,11 +1,26 @@
 """Human feedback server: people compare two clips of an agent and choose left / right / tie / skip.
 
-Run:  python humanFeedback/feedback_server.py --port 5001 --data-dir ./feedback_data
+Run:  python humanFeedback/feedback_server.py --port 5001 --data-dir ./feedback_data [--token SECRET]
 
 The trainer creates a run, uploads batches of query pairs (clips + segment ids) and reads the
 answers back with a cursor; annotators open the page at ``/`` in a browser.  Everything lives in
 one SQLite database (WAL mode, synchronous=FULL) under ``--data-dir``; every write is a single
 transaction committed before the reply is sent, so an acknowledged label survives a crash.
+
+Routes (errors are 4xx with ``{"error": "..."}`` and change nothing):
+  GET  /                                  the annotation page (``#rewards``: reward-model check view)
+  GET  /clips/<run_id>/<name>.mp4         a stored clip (Range requests supported)
+  GET  /api/config                        allowed choices, editing flag, playback speed, lease seconds
+  GET  /api/runs                          all runs
+  POST /api/runs                          {name, env_id?, meta?} -> 201 {run_id} (200 if the name exists)
+  POST /api/runs/<run_id>/queries         multipart: 'queries' JSON list + clip files -> 201 {query_ids}
+  GET  /api/runs/<run_id>/answers?after=  {answers, cursor} (see below)
+  GET  /api/runs/<run_id>/status          {queries, labelled, pending, choices}
+  POST /api/runs/<run_id>/evaluations     multipart: 'evaluations' JSON list + clip files -> 201
+  GET  /api/runs/<run_id>/evaluations     evaluation clips sorted by predicted_return, highest first
+  GET  /api/next?annotator=&run_id=&exclude=   lease the oldest free query, or {waiting: true}
+  POST /api/queries/<query_id>/label      {choice, annotator} -> 201 new / 200 same or edited / 409
+  POST /api/queries/<query_id>/undo       {annotator} -> the query is pending again (403 with --no-editing)
 
 Cursor semantics of ``GET /api/runs/<run_id>/answers?after=<seq>``: every label write (create,
 edit, undo) takes the next value of one global, strictly increasing sequence number ``seq``.
@@ -43,6 +58,7 @@ CLIP_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,195}\.mp4$")
 CLIP_NAME_RULE = "a plain file name of letters, digits, '_', '-', '.' ending in .mp4 (no '/', '\\', '..' or leading dot)"
 MAX_TEXT = 200
 MAX_ANSWERS_LIMIT = 10_000
+MAX_INT = 2**63 - 1  # SQLite INTEGER range
 STATIC_DIR = Path(__file__).resolve().parent / "static"
 
 SCHEMA = """
@@ -211,7 +227,7 @@ def json_body() -> dict:
         raise ApiError(400, "The request body is empty; send a JSON object.")
     try:
         body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
+    except (ValueError, RecursionError) as e:
         raise ApiError(400, f"The request body is not valid JSON ({e}); send a JSON object.") from None
     if not isinstance(body, dict):
         raise ApiError(400, f"The request body must be a JSON object, got {type(body).__name__}.")
@@ -237,8 +253,9 @@ def annotator_arg(value) -> str:
 
 def id_value(value, what: str):
     """Segment ids and sessions: an integer or a non-empty string."""
-    if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, str) and value and len(value) <= MAX_TEXT)):
-        raise ApiError(400, f"{what} is {value!r}; it must be an integer or a non-empty string.")
+    ok_int = isinstance(value, int) and not isinstance(value, bool) and abs(value) <= MAX_INT
+    if not (ok_int or (isinstance(value, str) and value and len(value) <= MAX_TEXT)):
+        raise ApiError(400, f"{what} is {value!r}; it must be a 64-bit integer or a non-empty string of at most {MAX_TEXT} characters.")
     return value
 
 
@@ -248,7 +265,7 @@ def check_clip_name(name, what: str) -> str:
     return name
 
 
-def int_arg(name: str, default: int, minimum: int = 0, maximum: int | None = None) -> int:
+def int_arg(name: str, default: int, minimum: int = 0, maximum: int = MAX_INT) -> int:
     raw = request.args.get(name)
     if raw is None or raw == "":
         return default
@@ -256,8 +273,8 @@ def int_arg(name: str, default: int, minimum: int = 0, maximum: int | None = Non
         value = int(raw)
     except ValueError:
         value = None
-    if value is None or value < minimum or (maximum is not None and value > maximum):
-        allowed = f"an integer >= {minimum}" + (f" and <= {maximum}" if maximum is not None else "")
+    if value is None or value < minimum or value > maximum:
+        allowed = f"an integer >= {minimum}" + (f" and <= {maximum}" if maximum < MAX_INT else "")
         raise ApiError(400, f"Query parameter {name}={raw!r} is not allowed; use {allowed}.")
     return value
 
@@ -279,13 +296,16 @@ def require_query(con: sqlite3.Connection, query_id: int) -> sqlite3.Row:
 def parse_upload(field: str) -> tuple[list, dict[str, bytes]]:
     """Reads the JSON list in form field ``field`` and the uploaded clip files keyed by filename."""
     if not (request.content_type or "").startswith("multipart/form-data"):
-        raise ApiError(400, f"Content type {request.content_type!r} is not allowed; send multipart/form-data with a '{field}' field and the clip files.")
+        raise ApiError(
+            400,
+            f"Content type {request.content_type!r} is not allowed; send multipart/form-data with a '{field}' field and the clip files.",
+        )
     raw = request.form.get(field)
     if raw is None:
         raise ApiError(400, f"Form field '{field}' is missing; send it as a JSON list.")
     try:
         items = json.loads(raw)
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:
         raise ApiError(400, f"Form field '{field}' is not valid JSON ({e}); send a JSON list.") from None
     if not isinstance(items, list) or not items:
         raise ApiError(400, f"Form field '{field}' must be a non-empty JSON list of objects.")
@@ -433,15 +453,20 @@ def create_app(
     @app.errorhandler(RequestEntityTooLarge)
     def on_too_large(e):
         limit = cfg("max_upload_bytes")
-        return jsonify(error=f"The upload is larger than the limit of {limit} bytes ({limit / 1048576:.1f} MiB); send smaller batches or raise --max-upload-mb."), 413
+        return jsonify(
+            error=f"The upload is larger than the limit of {limit} bytes ({limit / 1048576:.1f} MiB); send smaller batches or raise --max-upload-mb."
+        ), 413
 
     @app.errorhandler(HTTPException)
     def on_http_error(e: HTTPException):
-        messages = {
-            404: f"No such resource: {request.path}; see the API list in feedback_server.py.",
-            405: f"Method {request.method} is not allowed for {request.path}; allowed: {', '.join(sorted(e.valid_methods or []))}.",
-        }
-        return jsonify(error=messages.get(e.code, f"{e.name}: {e.description}")), e.code
+        if e.code == 404:
+            message = f"No such resource: {request.path}; see the API list at the top of feedback_server.py."
+        elif e.code == 405:
+            allowed = ", ".join(sorted(getattr(e, "valid_methods", None) or []))
+            message = f"Method {request.method} is not allowed for {request.path}; allowed: {allowed}."
+        else:
+            message = f"{e.name}: {e.description}"
+        return jsonify(error=message), e.code
 
     @app.before_request
     def check_token():
@@ -516,15 +541,21 @@ def create_app(
             meta = {}
         if not isinstance(meta, dict):
             raise ApiError(400, f"Field 'meta' is {type(meta).__name__}; it must be a JSON object.")
+        try:
+            meta_json = json.dumps(meta, allow_nan=False)
+        except ValueError:
+            raise ApiError(400, "Field 'meta' contains NaN or Infinity; it must be a JSON object of finite values.") from None
         with write_transaction() as con:
             existing = con.execute("SELECT * FROM runs WHERE name = ?", (name,)).fetchone()
             if existing is not None:
                 if existing["env_id"] != env_id:
-                    raise ApiError(409, f"Run name {name!r} already exists with env_id {existing['env_id']!r}, not {env_id!r}; use a new run name.")
+                    raise ApiError(
+                        409, f"Run name {name!r} already exists with env_id {existing['env_id']!r}, not {env_id!r}; use a new run name."
+                    )
                 return jsonify(run_id=existing["id"], created=False), 200
             cur = con.execute(
                 "INSERT INTO runs (name, env_id, created_at, meta) VALUES (?, ?, ?, ?)",
-                (name, env_id, utc_now(), json.dumps(meta)),
+                (name, env_id, utc_now(), meta_json),
             )
             run_id = cur.lastrowid
         return jsonify(run_id=run_id, created=True), 201
@@ -608,7 +639,7 @@ def create_app(
         exclude = []
         raw_exclude = request.args.get("exclude", "")
         for part in filter(None, (p.strip() for p in raw_exclude.split(","))):
-            if not part.isdigit():
+            if not (part.isascii() and part.isdigit()) or int(part) > MAX_INT:
                 raise ApiError(400, f"exclude={raw_exclude!r} is not allowed; use a comma-separated list of query ids.")
             exclude.append(int(part))
         with write_transaction() as con:
@@ -660,7 +691,10 @@ def create_app(
             elif old["choice"] == choice:
                 label_id, status, updated = old["id"], 200, False
             elif not cfg("allow_editing"):
-                raise ApiError(409, f"Query {query_id} is already labelled {old['choice']!r} and editing is disabled on this server; labels cannot be changed.")
+                raise ApiError(
+                    409,
+                    f"Query {query_id} is already labelled {old['choice']!r} and editing is disabled on this server; labels cannot be changed.",
+                )
             else:
                 con.execute(
                     "UPDATE labels SET choice = ?, updated_at = ?, seq = ? WHERE id = ?",
@@ -732,7 +766,7 @@ def create_app(
             ret, step = item["predicted_return"], item["step"]
             if isinstance(ret, bool) or not isinstance(ret, (int, float)) or not math.isfinite(ret):
                 raise ApiError(400, f"evaluations[{i}].predicted_return is {ret!r}; it must be a finite number.")
-            if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_INT:
                 raise ApiError(400, f"evaluations[{i}].step is {step!r}; it must be an integer >= 0.")
             if name in referenced:
                 raise ApiError(400, f"evaluations[{i}].clip {name!r} appears twice; each clip gets one evaluation.")
@@ -774,9 +808,7 @@ def create_app(
     def list_evaluations(run_id: int):
         con = db()
         require_run(con, run_id)
-        rows = con.execute(
-            "SELECT * FROM evaluations WHERE run_id = ? ORDER BY predicted_return DESC, id", (run_id,)
-        ).fetchall()
+        rows = con.execute("SELECT * FROM evaluations WHERE run_id = ? ORDER BY predicted_return DESC, id", (run_id,)).fetchall()
         return jsonify(
             run_id=run_id,
             evaluations=[
@@ -821,15 +853,37 @@ def _number(kind, name: str, check, rule: str):
 def parse_args(argv=None) -> argparse.Namespace:
     p = OneLineParser(prog="feedback_server.py", description="Human feedback server for CleanRLHF (pairwise clip comparisons).")
     p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1)")
-    p.add_argument("--port", default=5001, type=_number(int, "port", lambda v: 1 <= v <= 65535, "an integer from 1 to 65535"), help="TCP port (default 5001)")
+    p.add_argument(
+        "--port",
+        default=5001,
+        type=_number(int, "port", lambda v: 1 <= v <= 65535, "an integer from 1 to 65535"),
+        help="TCP port (default 5001)",
+    )
     p.add_argument("--data-dir", default=None, help="SQLite database and clips (default ./feedback_data under the current directory)")
-    p.add_argument("--token", default=None, help="shared secret; when set, the page and every API call need it (header X-Feedback-Token or ?token=)")
+    p.add_argument(
+        "--token", default=None, help="shared secret; when set, the page and every API call need it (header X-Feedback-Token or ?token=)"
+    )
     p.add_argument("--no-ties", action="store_true", help="do not offer 'tie'")
     p.add_argument("--no-skip", action="store_true", help="do not offer 'skip'")
     p.add_argument("--no-editing", action="store_true", help="labels cannot be changed or undone")
-    p.add_argument("--playback-speed", default=1.0, type=_number(float, "playback speed", lambda v: 0 < v <= 16, "a number > 0 and <= 16"), help="default clip playback speed (default 1.0)")
-    p.add_argument("--lease-seconds", default=60.0, type=_number(float, "lease seconds", lambda v: 0 < v <= 86400, "a number > 0 and <= 86400"), help="how long a shown pair is reserved for one annotator (default 60)")
-    p.add_argument("--max-upload-mb", default=50.0, type=_number(float, "max upload MB", lambda v: 0 < v <= 4096, "a number > 0 and <= 4096"), help="largest upload request in MiB (default 50)")
+    p.add_argument(
+        "--playback-speed",
+        default=1.0,
+        type=_number(float, "playback speed", lambda v: 0 < v <= 16, "a number > 0 and <= 16"),
+        help="default clip playback speed (default 1.0)",
+    )
+    p.add_argument(
+        "--lease-seconds",
+        default=60.0,
+        type=_number(float, "lease seconds", lambda v: 0 < v <= 86400, "a number > 0 and <= 86400"),
+        help="how long a shown pair is reserved for one annotator (default 60)",
+    )
+    p.add_argument(
+        "--max-upload-mb",
+        default=50.0,
+        type=_number(float, "max upload MB", lambda v: 0 < v <= 4096, "a number > 0 and <= 4096"),
+        help="largest upload request in MiB (default 50)",
+    )
     args = p.parse_args(argv)
     if args.token is not None and not args.token.strip():
         p.error("token '' is not allowed; use a non-empty secret or leave --token out")
@@ -859,8 +913,10 @@ def main(argv=None) -> int:
     )
     try:
         server = make_server(args.host, args.port, app, threaded=True)
-    except (OSError, SystemExit) as e:
-        print(f"feedback_server.py: error: cannot listen on {args.host}:{args.port} ({e}); choose a free port with --port", file=sys.stderr)
+    except SystemExit:  # werkzeug has already explained (e.g. "Address already in use")
+        return 1
+    except OSError as e:
+        print(f"feedback_server.py: error: cannot listen on {args.host}:{args.port} ({e}); use another --host or --port", file=sys.stderr)
         return 1
     hint = " (append ?token=<your token>)" if args.token else ""
     print(f"Feedback server on http://{args.host}:{server.server_port}/{hint}; data in {args.data_dir}", file=sys.stderr, flush=True)

@@ -13,6 +13,7 @@ import sqlite3
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -165,7 +166,16 @@ def test_storage_is_sqlite_wal_with_expected_tables(env):
     tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
     assert {"runs", "queries", "labels", "evaluations"} <= tables
     cols = {r[1] for r in con.execute("PRAGMA table_info(queries)")}
-    assert {"run_id", "session", "left_clip", "right_clip", "left_segment_id", "right_segment_id", "lease_annotator", "lease_expires"} <= cols
+    assert {
+        "run_id",
+        "session",
+        "left_clip",
+        "right_clip",
+        "left_segment_id",
+        "right_segment_id",
+        "lease_annotator",
+        "lease_expires",
+    } <= cols
     con.close()
 
 
@@ -197,6 +207,7 @@ def test_create_run_is_idempotent_by_name_and_listed(env):
         ('{"name": 5}', "application/json", 400, ["'name'", "5"]),
         ('{"name": "r", "meta": [1]}', "application/json", 400, ["'meta'", "object"]),
         ('{"name": "r", "colour": 1}', "application/json", 400, ["colour", "allowed fields"]),
+        ('{"name": "r", "meta": {"x": NaN}}', "application/json", 400, ["'meta'", "NaN"]),
         ('{"name": "r1", "env_id": "Walker2d-v5"}', "application/json", 409, ["r1", "Hopper-v5", "Walker2d-v5"]),
     ],
 )
@@ -285,6 +296,7 @@ def _bad_upload_cases():
         ("same-clip-twice", set_key(1, "right_clip", "c1a.mp4"), 400, ["c1a.mp4", "differ"]),
         ("bool-session", set_key(1, "session", True), 400, ["queries[1].session", "integer"]),
         ("null-segment", set_key(1, "left_segment_id", None), 400, ["left_segment_id", "None"]),
+        ("huge-segment", set_key(1, "right_segment_id", 2**70), 400, ["right_segment_id", "64-bit"]),
         ("not-an-object", lambda q, f: (q[:1] + ["c1a.mp4"], f), 400, ["queries[1]", "object"]),
         ("malformed-json", lambda q, f: ("[{not json", f), 400, ["'queries'", "not valid JSON"]),
         ("not-a-list", lambda q, f: ('{"left_clip": "a.mp4"}', f), 400, ["'queries'", "list"]),
@@ -399,6 +411,8 @@ def test_next_waiting_run_filter_and_bad_params(env):
     assert_error(env.client.get("/api/next"), 400, "annotator", "missing")
     assert_error(env.client.get("/api/next?annotator=%20"), 400, "annotator")
     assert_error(env.client.get("/api/next?annotator=x&exclude=1,abc"), 400, "1,abc", "comma-separated")
+    assert_error(env.client.get(f"/api/next?annotator=x&exclude={2**64}"), 400, "comma-separated")
+    assert_error(env.client.get("/api/next?annotator=x&exclude=%C2%B2"), 400, "comma-separated")
     assert_error(env.client.get("/api/next?annotator=x&run_id=zz"), 400, "run_id='zz'")
     assert_error(env.client.get("/api/next?annotator=x&run_id=42"), 404, "Run 42")
     assert env.snap() == before
@@ -554,7 +568,7 @@ def test_answers_cursor_redelivers_edits_and_never_deletes(env):
 
     other = env.run("other")
     assert env.answers(other) == {"answers": [], "cursor": 0}
-    for bad in ("-1", "x", "1.5"):
+    for bad in ("-1", "x", "1.5", str(2**64)):
         assert_error(env.client.get(f"/api/runs/{run_id}/answers?after={bad}"), 400, f"after={bad!r}", "integer >= 0")
     assert_error(env.client.get(f"/api/runs/{run_id}/answers?limit=0"), 400, "limit")
 
@@ -563,9 +577,7 @@ def test_answers_cursor_redelivers_edits_and_never_deletes(env):
 
 
 def eval_upload(client, run_id, items, files):
-    return client.post(
-        f"/api/runs/{run_id}/evaluations", data=form("evaluations", items, files), content_type="multipart/form-data"
-    )
+    return client.post(f"/api/runs/{run_id}/evaluations", data=form("evaluations", items, files), content_type="multipart/form-data")
 
 
 def test_evaluations_sorted_by_predicted_return_and_idempotent(env):
@@ -575,7 +587,11 @@ def test_evaluations_sorted_by_predicted_return_and_idempotent(env):
     resp = eval_upload(env.client, run_id, items, files)
     assert resp.status_code == 201 and len(resp.get_json()["evaluation_ids"]) == 3
     listed = env.client.get(f"/api/runs/{run_id}/evaluations").get_json()["evaluations"]
-    assert [(e["clip"], e["predicted_return"], e["step"]) for e in listed] == [("ev1.mp4", 9.0, 1000), ("ev0.mp4", 1.5, 0), ("ev2.mp4", -2.0, 2000)]
+    assert [(e["clip"], e["predicted_return"], e["step"]) for e in listed] == [
+        ("ev1.mp4", 9.0, 1000),
+        ("ev0.mp4", 1.5, 0),
+        ("ev2.mp4", -2.0, 2000),
+    ]
     assert listed[0]["url"] == f"/clips/{run_id}/ev1.mp4"
     assert env.client.get(listed[0]["url"]).get_data() == files["ev1.mp4"]
     before = env.snap()
@@ -625,7 +641,12 @@ def test_clips_are_served_only_from_the_data_dir(env, tmp_path):
     assert ranged.status_code == 206 and ranged.get_data() == video[:100]
 
     (env.data_dir / "secret.mp4").write_bytes(b"outside")
-    for path in (f"/clips/{run_id}/../secret.mp4", f"/clips/{run_id}/..%2Fsecret.mp4", f"/clips/{run_id}/a/b.mp4", f"/clips/{run_id}/feedback.sqlite3"):
+    for path in (
+        f"/clips/{run_id}/../secret.mp4",
+        f"/clips/{run_id}/..%2Fsecret.mp4",
+        f"/clips/{run_id}/a/b.mp4",
+        f"/clips/{run_id}/feedback.sqlite3",
+    ):
         resp = env.client.get(path)
         assert resp.status_code in (400, 404), path
         assert b"outside" not in resp.get_data() and "error" in resp.get_json()
@@ -774,6 +795,33 @@ def test_real_server_survives_sigkill_without_losing_labels(tmp_path):
         final = requests.get(f"{base}/api/runs/{run_id}/answers", params={"after": after["cursor"]}, timeout=5).json()
         assert [(x["query_id"], x["choice"]) for x in final["answers"]] == [(ids[3], "skip")]
         assert final["cursor"] > after["cursor"] > cursor
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+        proc.stderr.close()
+
+
+def test_real_server_gives_each_query_to_one_annotator_under_concurrency(tmp_path):
+    requests = pytest.importorskip("requests")
+    proc, base = start_server(tmp_path / "data", "--lease-seconds", "600")
+    try:
+        run_id = requests.post(base + "/api/runs", json={"name": "concurrent"}, timeout=5).json()["run_id"]
+        queries, files = batch("p", 6)
+        resp = requests.post(
+            f"{base}/api/runs/{run_id}/queries",
+            data={"queries": json.dumps(queries)},
+            files=[("clips", (name, content, "video/mp4")) for name, content in files.items()],
+            timeout=10,
+        )
+        ids = resp.json()["query_ids"]
+
+        def ask(i):
+            return requests.get(f"{base}/api/next", params={"annotator": f"person{i}"}, timeout=10).json()
+
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            got = list(pool.map(ask, range(8)))
+        leased = [g["query_id"] for g in got if "query_id" in g]
+        assert sorted(leased) == ids and sum(1 for g in got if g.get("waiting")) == 2
     finally:
         proc.terminate()
         proc.wait(timeout=10)

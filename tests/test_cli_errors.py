@@ -1,0 +1,163 @@
+"""Bad command-line input fails fast: one `error:` line, exit code 2, nothing written."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import sac_rlhf
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+FRAMEWORK_DIR = REPO_ROOT / "framework"
+SCRIPT = FRAMEWORK_DIR / "sac_rlhf.py"
+OUTPUT_DIRS = ("runs", "models", "videos")
+
+# (id, command-line arguments, what the error line must name). Each subprocess costs seconds of imports:
+# these few go through the real CLI, the full list is checked in-process below.
+CLI_CASES = [
+    ("unknown-env", ["--env-id", "Nope-v0"], ["--env-id", "Nope-v0"]),
+    ("negative-queries", ["--teacher-feedback-total-queries", "-5"], ["--teacher-feedback-total-queries", "-5"]),
+    ("offsets", ["--min-augmentation-offset", "8", "--max-augmentation-offset", "3"], ["--min-augmentation-offset (8)", "(3)"]),
+    ("discrete-actions", ["--env-id", "CartPole-v1"], ["--env-id CartPole-v1", "Discrete"]),
+]
+HELP_FLAGS = ["--teacher-feedback-mode", "--no-surf", "--rune", "--no-unsupervised-exploration"]
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env.setdefault("MUJOCO_GL", "egl")
+    env["WANDB_MODE"] = "offline"
+    env["COLUMNS"] = "200"  # help text: no wrapping inside flag names
+    return env
+
+
+@pytest.fixture(scope="module")
+def cli_results(tmp_path_factory):
+    """Starts every CLI run at once (they are import-bound), then collects them."""
+    runs = {}
+    for case_id, argv, _ in CLI_CASES:
+        cwd = tmp_path_factory.mktemp(case_id)
+        runs[case_id] = (cwd, [sys.executable, str(SCRIPT), *argv])
+    runs["help-from-root"] = (REPO_ROOT, [sys.executable, "framework/sac_rlhf.py", "--help"])
+    runs["help-from-framework"] = (FRAMEWORK_DIR, [sys.executable, "sac_rlhf.py", "--help"])
+    processes = {
+        case_id: (cwd, subprocess.Popen(cmd, cwd=cwd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        for case_id, (cwd, cmd) in runs.items()
+    }
+    results = {}
+    for case_id, (cwd, process) in processes.items():
+        stdout, stderr = process.communicate(timeout=120)
+        results[case_id] = (cwd, process.returncode, stdout, stderr)
+    return results
+
+
+@pytest.mark.parametrize(("case_id", "names"), [(case_id, names) for case_id, _, names in CLI_CASES], ids=[c[0] for c in CLI_CASES])
+def test_cli_bad_input_exits_2_with_one_error_line(cli_results, case_id, names):
+    cwd, returncode, stdout, stderr = cli_results[case_id]
+    assert returncode == 2, (stdout, stderr)
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert lines, stderr
+    last = lines[-1]
+    assert last.startswith("error: "), stderr
+    for name in names:
+        assert name in last, last
+    assert sum(line.startswith("error:") for line in lines) == 1
+    assert "Traceback" not in stderr
+    for folder in OUTPUT_DIRS:
+        assert not (cwd / folder).exists(), folder
+    assert list(cwd.iterdir()) == []  # nothing at all was written
+
+
+@pytest.mark.parametrize("case_id", ["help-from-root", "help-from-framework"])
+def test_cli_help(cli_results, case_id):
+    _, returncode, stdout, stderr = cli_results[case_id]
+    assert returncode == 0, stderr
+    for flag in HELP_FLAGS:
+        assert flag in stdout, flag
+
+
+# ----------------------------------------------------------------------------------------
+# validate_args / main in-process
+# ----------------------------------------------------------------------------------------
+def _existing_file(tmp_path, name="replay_buffer.npz"):
+    path = tmp_path / name
+    path.write_bytes(b"x")
+    return str(path)
+
+
+BAD_ARGS = [
+    ("unknown-env", lambda tmp: {"env_id": "Nope-v0"}, "--env-id Nope-v0 is not a registered"),
+    ("negative-queries", lambda tmp: {"teacher_feedback_total_queries": -5}, "--teacher-feedback-total-queries must be >= 0, got -5"),
+    ("zero-per-session", lambda tmp: {"teacher_feedback_num_queries_per_session": 0}, "--teacher-feedback-num-queries-per-session"),
+    (
+        "offsets",
+        lambda tmp: {"min_augmentation_offset": 8, "max_augmentation_offset": 3},
+        "--min-augmentation-offset (8) must be >= 0 and <= --max-augmentation-offset (3)",
+    ),
+    ("offset-too-long", lambda tmp: {"segment_length": 10, "max_augmentation_offset": 10}, "--max-augmentation-offset (10)"),
+    ("missing-resume", lambda tmp: {"resume": str(tmp / "no_such_run")}, "--resume"),
+    ("resume-without-checkpoint", lambda tmp: {"resume": str(tmp)}, "no checkpoint.pt"),
+    (
+        "exploration-load-no-model",
+        lambda tmp: {"exploration_load": True, "path_to_replay_buffer": _existing_file(tmp)},
+        "--exploration-load needs --path-to-model",
+    ),
+    (
+        "exploration-load-missing-model",
+        lambda tmp: {"exploration_load": True, "path_to_replay_buffer": _existing_file(tmp), "path_to_model": str(tmp / "nope.pt")},
+        "--path-to-model",
+    ),
+    ("exploration-load-no-buffer", lambda tmp: {"exploration_load": True}, "--exploration-load needs --path-to-replay-buffer"),
+    (
+        "video-and-human",
+        lambda tmp: {"capture_video": True, "render_mode": "human"},
+        "--capture-video cannot be combined with --render-mode human",
+    ),
+    ("surf-tau", lambda tmp: {"surf_tau": 1.0}, "--surf-tau"),
+    ("eps-mistake", lambda tmp: {"teacher_eps_mistake": 1.5}, "--teacher-eps-mistake must be in [0, 1], got 1.5"),
+    ("explore-shorter-than-random", lambda tmp: {"total_explore_steps": 500}, "--total-explore-steps (500)"),
+    ("dropout", lambda tmp: {"reward_net_dropout": 1.0}, "--reward-net-dropout"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "message"), [(o, m) for _, o, m in BAD_ARGS], ids=[c[0] for c in BAD_ARGS])
+def test_validate_args_rejects(tmp_path, overrides, message):
+    args = sac_rlhf.Args(**overrides(tmp_path))
+    with pytest.raises(sac_rlhf.ConfigError) as error:
+        sac_rlhf.validate_args(args)
+    assert message in str(error.value)
+    assert "\n" not in str(error.value)
+
+
+def test_validate_args_accepts_good_configurations(tmp_path):
+    sac_rlhf.validate_args(sac_rlhf.Args())
+    sac_rlhf.validate_args(
+        sac_rlhf.Args(capture_video=True, render_mode="rgb_array", unsupervised_exploration=False, total_explore_steps=0)
+    )
+    (tmp_path / "checkpoint.pt").write_bytes(b"x")
+    sac_rlhf.validate_args(sac_rlhf.Args(resume=str(tmp_path)))
+    sac_rlhf.validate_args(
+        sac_rlhf.Args(
+            exploration_load=True,
+            path_to_replay_buffer=_existing_file(tmp_path),
+            path_to_model=_existing_file(tmp_path, "checkpoint.pt"),
+        )
+    )
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"env_id": "CartPole-v1"}, "--env-id CartPole-v1 has a Discrete action space"),
+        ({"env_id": "Nope-v0"}, "--env-id Nope-v0"),
+        ({"min_augmentation_offset": 8, "max_augmentation_offset": 3}, "--min-augmentation-offset (8)"),
+    ],
+    ids=["discrete-actions", "unknown-env", "offsets"],
+)
+def test_main_fails_before_writing_anything(chdir_tmp, overrides, message):
+    with pytest.raises(sac_rlhf.ConfigError) as error:
+        sac_rlhf.main(sac_rlhf.Args(progress_bar=False, cuda=False, total_timesteps=10, **overrides))
+    assert message in str(error.value)
+    assert list(chdir_tmp.iterdir()) == []
