@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# PEBBLE on Hopper-v5 from 200 synthetic labels. Settings of bench/feedback_efficiency.py (the figures
+# in the README): 10k exploration steps, 10 sessions of 20 queries every 5k steps (exponential schedule),
+# disagreement sampling, SURF on; everything else is sac_rlhf.py's default (CleanRL's SAC, PEBBLE's
+# reward model: 3 members x 3 layers x 256, lr 3e-4, segments of 50 steps).
+# Run from the repository root: bash scripts/Hopper-v5.sh [more flags]
+set -euo pipefail
+python framework/sac_rlhf.py \
+  --env-id Hopper-v5 \
+  --total-timesteps 1000000 \
+  --total-explore-steps 10000 \
+  --teacher-feedback-total-queries 200 \
+  --teacher-feedback-num-queries-per-session 20 \
+  --teacher-feedback-frequency 5000 \
+  --teacher-feedback-schedule exponential \
+  --preference-sampling disagree \
+  --segment-length 50 \
+  "$@"
