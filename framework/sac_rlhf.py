@@ -1266,8 +1266,6 @@ def main(args: Args) -> dict:
                 and loop.sessions_done < len(schedule)
                 and (step - first_feedback_step) % args.teacher_feedback_frequency == 0
             ):
-                if loop.sessions_done == 0 and args.unsupervised_exploration and not args.exploration_load:
-                    save_checkpoint(model_dir / str(step), checkpoint_state(), rb)  # reusable: --exploration-load
                 feedback_session(schedule[loop.sessions_done])
             if step >= first_feedback_step and not loop.critic_reset and len(prefs) > 0:
                 agent.reset_critic()  # Q-values of the intrinsic reward mean nothing for the learned one
@@ -1346,6 +1344,8 @@ def main(args: Args) -> dict:
                     progress.update(loop.global_step - progress.n)
 
             # --- evaluate, checkpoint ---
+            if args.unsupervised_exploration and loop.global_step == args.total_explore_steps and not args.exploration_load:
+                save_checkpoint(model_dir / str(loop.global_step), checkpoint_state(), rb)  # reusable: --exploration-load
             if args.evaluation_frequency and loop.global_step % args.evaluation_frequency == 0 and loop.global_step < args.total_timesteps:
                 evaluate(loop.global_step)
             if args.checkpoint_frequency and loop.global_step % args.checkpoint_frequency == 0 and loop.global_step < args.total_timesteps:
