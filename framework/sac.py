@@ -18,89 +18,29 @@ from sac_rlhf import (  # noqa: E402
     ConfigError,
     ReplayBuffer,
     SACAgent,
-    check_env_id,
+    SACArgs,
     evaluate_policy,
     get_physics_state,
     make_env,
     physics_state_size,
     save_checkpoint,
+    validate_sac_args,
 )
 
 
 @dataclass
-class Args:
+class Args(SACArgs):
+    """SAC on the environment's true reward (the baseline of sac_rlhf.py)."""
+
     exp_name: str = "sac"
     """the name of this experiment (part of the run name)"""
-    run_name: str | None = None
-    """outputs go to runs/, models/ and videos/<run_name>; default: <env>__<exp>__<seed>__<time>"""
-    seed: int = 1
-    """seed of the experiment"""
-    torch_deterministic: bool = True
-    """if toggled, `torch.backends.cudnn.deterministic=True`"""
-    cuda: bool = True
-    """if toggled, cuda will be used when available"""
-    track: bool = False
-    """if toggled, this experiment will be tracked with Weights and Biases"""
-    wandb_project_name: str = "CleanRLHF"
-    """the wandb's project name"""
-    wandb_entity: str | None = None
-    """the entity (team) of wandb's project"""
-    progress_bar: bool = True
-    """show a progress bar over the environment steps"""
-    capture_video: bool = False
-    """write mp4 videos of evaluation episodes to videos/<run_name>/"""
-    video_width: int = 320
-    """width of rendered frames"""
-    video_height: int = 240
-    """height of rendered frames"""
-    env_id: str = "Hopper-v5"
-    """the id of the environment"""
-    total_timesteps: int = 1_000_000
-    """total environment steps"""
-    buffer_size: int = 1_000_000
-    """the replay memory buffer size (capped at total_timesteps)"""
-    gamma: float = 0.99
-    """the discount factor gamma"""
-    tau: float = 0.005
-    """target smoothing coefficient"""
-    batch_size: int = 256
-    """the batch size of sample from the replay memory"""
-    learning_starts: int = 1000
-    """steps of uniformly random actions before SAC starts updating"""
-    policy_lr: float = 3e-4
-    """the learning rate of the policy network optimizer"""
-    q_lr: float = 1e-3
-    """the learning rate of the Q network optimizer"""
-    policy_frequency: int = 2
-    """the frequency of training policy (delayed)"""
-    target_network_frequency: int = 1
-    """the frequency of updates for the target networks"""
-    alpha: float = 0.2
-    """entropy regularization coefficient (initial value when autotuned)"""
-    autotune: bool = True
-    """automatic tuning of the entropy coefficient"""
-    actor_hidden_dim: int = 256
-    """width of the actor's hidden layers"""
-    actor_hidden_layers: int = 2
-    """number of hidden layers of the actor"""
-    critic_hidden_dim: int = 256
-    """width of the critics' hidden layers"""
-    critic_hidden_layers: int = 2
-    """number of hidden layers of the critics"""
-    evaluation_frequency: int = 10_000
-    """environment steps between evaluations (0: only at the end)"""
-    evaluation_episodes: int = 5
-    """episodes per evaluation (deterministic actions, distinct seeds)"""
 
 
 def main(args: Args) -> dict:
-    if args.total_timesteps <= 0 or args.learning_starts < 1:
-        raise ConfigError(
-            f"--total-timesteps and --learning-starts must be positive, got {args.total_timesteps} and {args.learning_starts}"
-        )
-    check_env_id(args.env_id)
+    validate_sac_args(args)
     envs = gym.vector.SyncVectorEnv(
-        [make_env(args.env_id, args.seed, None, args.video_width, args.video_height)], autoreset_mode=gym.vector.AutoresetMode.NEXT_STEP
+        [make_env(args.env_id, args.seed, args.render_mode, args.video_width, args.video_height)],
+        autoreset_mode=gym.vector.AutoresetMode.NEXT_STEP,
     )
     run_name = args.run_name or f"{args.env_id.replace('/', '_')}__{args.exp_name}__{args.seed}__{int(time.time())}"
     run_dir, model_dir, video_dir = Path("runs") / run_name, Path("models") / run_name, Path("videos") / run_name

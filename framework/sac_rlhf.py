@@ -27,14 +27,16 @@ import tyro
 
 
 @dataclass
-class Args:
+class SACArgs:
+    """Settings shared with the true-reward baseline sac.py (experiment, SAC, evaluation)."""
+
     # --- experiment ---
     exp_name: str = "sac_rlhf"
     """the name of this experiment (part of the run name)"""
     run_name: str | None = None
     """outputs go to runs/, models/ and videos/<run_name>; default: <env>__<exp>__<seed>__<time>"""
     seed: int = 1
-    """seed of the experiment (environments, networks, buffer sampling; the teacher uses seed+1)"""
+    """seed of the experiment (environments, networks, buffer sampling; a synthetic teacher uses seed+1)"""
     torch_deterministic: bool = True
     """if toggled, `torch.backends.cudnn.deterministic=True`"""
     cuda: bool = True
@@ -92,6 +94,15 @@ class Args:
     critic_hidden_layers: int = 2
     """number of hidden layers of the critics"""
 
+    # --- evaluation and checkpoints ---
+    evaluation_frequency: int = 10_000
+    """environment steps between evaluations (0: only at the end)"""
+    evaluation_episodes: int = 5
+    """episodes per evaluation (deterministic actions, distinct seeds)"""
+
+
+@dataclass
+class Args(SACArgs):
     # --- unsupervised exploration (PEBBLE) ---
     unsupervised_exploration: bool = True
     """pre-train with the state-entropy intrinsic reward before asking for feedback"""
@@ -184,11 +195,7 @@ class Args:
     rune_beta_decay: float = 0.0001
     """beta_t = beta_0 (1 - decay)^t, t = environment step"""
 
-    # --- evaluation and checkpoints ---
-    evaluation_frequency: int = 10_000
-    """environment steps between evaluations (0: only at the end)"""
-    evaluation_episodes: int = 5
-    """episodes per evaluation (deterministic actions, distinct seeds)"""
+    # --- checkpoints ---
     checkpoint_frequency: int = 100_000
     """environment steps between checkpoints to models/<run>/latest (0: only at the end)"""
     resume: str | None = None
@@ -199,12 +206,27 @@ class ConfigError(ValueError):
     """Bad command-line input: printed as one line, exit code 2, before any training."""
 
 
-def validate_args(args: Args) -> None:
-    def need(ok: bool, message: str) -> None:
-        if not ok:
-            raise ConfigError(message)
+def need(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
 
+
+def validate_sac_args(args: SACArgs) -> None:
     need(args.total_timesteps > 0, f"--total-timesteps must be positive, got {args.total_timesteps}")
+    need(args.learning_starts >= 1, f"--learning-starts must be >= 1, got {args.learning_starts}")
+    need(
+        args.evaluation_frequency >= 0 and args.evaluation_episodes >= 1,
+        f"--evaluation-frequency must be >= 0 and --evaluation-episodes >= 1, got {args.evaluation_frequency} and {args.evaluation_episodes}",
+    )
+    need(
+        not (args.capture_video and args.render_mode == "human"),
+        "--capture-video cannot be combined with --render-mode human (choose one)",
+    )
+    check_env_id(args.env_id)
+
+
+def validate_args(args: Args) -> None:
+    validate_sac_args(args)
     need(
         args.teacher_feedback_total_queries >= 0,
         f"--teacher-feedback-total-queries must be >= 0, got {args.teacher_feedback_total_queries}",
@@ -248,16 +270,7 @@ def validate_args(args: Args) -> None:
         args.rune_beta >= 0 and 0 <= args.rune_beta_decay < 1,
         f"--rune-beta must be >= 0 and --rune-beta-decay in [0, 1), got {args.rune_beta} and {args.rune_beta_decay}",
     )
-    need(args.learning_starts >= 1, f"--learning-starts must be >= 1, got {args.learning_starts}")
-    need(
-        args.evaluation_frequency >= 0 and args.evaluation_episodes >= 1,
-        f"--evaluation-frequency must be >= 0 and --evaluation-episodes >= 1, got {args.evaluation_frequency} and {args.evaluation_episodes}",
-    )
     need(args.checkpoint_frequency >= 0, f"--checkpoint-frequency must be >= 0, got {args.checkpoint_frequency}")
-    need(
-        not (args.capture_video and args.render_mode == "human"),
-        "--capture-video cannot be combined with --render-mode human (choose one)",
-    )
     if args.unsupervised_exploration:
         need(
             args.total_explore_steps >= args.learning_starts,
@@ -269,7 +282,6 @@ def validate_args(args: Args) -> None:
             need(Path(path).is_file(), f"{flag} {path} does not exist")
     if args.resume is not None:
         need((Path(args.resume) / "checkpoint.pt").is_file(), f"--resume {args.resume}: no checkpoint.pt in that folder")
-    check_env_id(args.env_id)
 
 
 # ----------------------------------------------------------------------------------------
