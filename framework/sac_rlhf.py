@@ -142,8 +142,23 @@ class Args(SACArgs):
     """transitions per chunk when relabelling the replay buffer"""
 
     # --- feedback ---
-    teacher_feedback_mode: Literal["simulated"] = "simulated"
-    """who labels the pairs: `simulated` is the synthetic teacher on the true reward"""
+    teacher_feedback_mode: Literal["simulated", "human", "file"] = "simulated"
+    """who labels: `simulated` (synthetic teacher on the true reward), `human` (people in the browser, through
+    the feedback server), `file` (the labels an earlier run saved, --feedback-file)"""
+    feedback_server_url: str = "http://localhost:5001"
+    """address of the feedback server (human mode)"""
+    feedback_server_autostart: bool = False
+    """start the feedback server as a child process if none answers at --feedback-server-url"""
+    feedback_server_token: str | None = None
+    """shared secret of the feedback server, if it was started with --token"""
+    feedback_file: str | None = None
+    """labels.sqlite of an earlier run (runs/<run>/labels.sqlite) to train from in file mode"""
+    feedback_poll_seconds: float = 1.0
+    """how often the trainer asks the server for new answers while a session is open"""
+    feedback_check_clips: int = 5
+    """human mode: clips with the reward model's predicted return uploaded after each reward update"""
+    clip_fps: int = 30
+    """frame rate of the clips shown to people (one frame per environment step)"""
     teacher_feedback_schedule: Literal["linear", "exponential"] = "exponential"
     """`linear`: every session asks the same number of queries; `exponential`: earlier sessions ask more"""
     teacher_feedback_total_queries: int = 1000
@@ -280,6 +295,16 @@ def validate_args(args: Args) -> None:
         for flag, path in (("--path-to-replay-buffer", args.path_to_replay_buffer), ("--path-to-model", args.path_to_model)):
             need(path is not None, f"--exploration-load needs {flag}")
             need(Path(path).is_file(), f"{flag} {path} does not exist")
+    if args.teacher_feedback_mode == "file":
+        need(args.feedback_file is not None, "--teacher-feedback-mode file needs --feedback-file PATH (a runs/<run>/labels.sqlite)")
+        need(Path(args.feedback_file).is_file(), f"--feedback-file {args.feedback_file} does not exist")
+    need(args.feedback_poll_seconds > 0, f"--feedback-poll-seconds must be > 0, got {args.feedback_poll_seconds}")
+    need(args.feedback_check_clips >= 0, f"--feedback-check-clips must be >= 0, got {args.feedback_check_clips}")
+    need(args.clip_fps > 0, f"--clip-fps must be > 0, got {args.clip_fps}")
+    need(
+        args.feedback_server_url.startswith(("http://", "https://")),
+        f"--feedback-server-url {args.feedback_server_url} must start with http:// or https://",
+    )
     if args.resume is not None:
         need((Path(args.resume) / "checkpoint.pt").is_file(), f"--resume {args.resume}: no checkpoint.pt in that folder")
 
@@ -968,6 +993,256 @@ class SyntheticTeacher:
 
 
 # ----------------------------------------------------------------------------------------
+# Human feedback: the trainer's side of humanFeedback/feedback_server.py
+# ----------------------------------------------------------------------------------------
+CHOICE_LABELS = {"left": 0.0, "right": 1.0, "tie": 0.5, "skip": float("nan")}  # left clip = segment 0
+
+
+class FeedbackServerError(RuntimeError):
+    """The feedback server refused a request (4xx) or stayed unreachable past the retry budget."""
+
+
+def encode_multipart(fields: dict[str, str], files: dict[str, Path]) -> tuple[bytes, str]:
+    boundary = f"----cleanrlhf{os.urandom(12).hex()}"
+    parts = []
+    for name, value in fields.items():
+        parts.append(f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"\r\n\r\n{value}\r\n'.encode())
+    for name, path in files.items():
+        header = f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"; filename="{name}"\r\nContent-Type: video/mp4\r\n\r\n'
+        parts.append(header.encode() + Path(path).read_bytes() + b"\r\n")
+    parts.append(f"--{boundary}--\r\n".encode())
+    return b"".join(parts), f"multipart/form-data; boundary={boundary}"
+
+
+class FeedbackClient:
+    """JSON/multipart client of the feedback server. Connection failures and 5xx answers are retried with
+    exponential backoff (so the trainer survives a server restart); 4xx answers are errors at once."""
+
+    def __init__(self, url: str, token: str | None = None, retry_seconds: float = 600.0, timeout: float = 30.0):
+        self.url, self.token, self.retry_seconds, self.timeout = url.rstrip("/"), token, retry_seconds, timeout
+
+    def request(self, method: str, path: str, json_body=None, fields=None, files=None, retry: bool = True) -> dict:
+        import urllib.error
+        import urllib.request
+
+        headers = {"X-Feedback-Token": self.token} if self.token else {}
+        data = None
+        if json_body is not None:
+            data, headers["Content-Type"] = json.dumps(json_body).encode(), "application/json"
+        elif fields is not None or files is not None:
+            data, headers["Content-Type"] = encode_multipart(fields or {}, files or {})
+        deadline, delay = time.monotonic() + self.retry_seconds, 0.25
+        while True:
+            try:
+                req = urllib.request.Request(self.url + path, data=data, headers=headers, method=method)
+                with urllib.request.urlopen(req, timeout=self.timeout) as response:
+                    return json.loads(response.read() or b"{}")
+            except urllib.error.HTTPError as error:
+                if error.code < 500:
+                    try:
+                        reason = json.loads(error.read()).get("error", "")
+                    except ValueError:
+                        reason = ""
+                    raise FeedbackServerError(f"{method} {path}: HTTP {error.code} {reason}") from None
+                failure = f"HTTP {error.code}"
+            except (urllib.error.URLError, ConnectionError, TimeoutError) as error:
+                failure = str(getattr(error, "reason", error))
+            if not retry or time.monotonic() + delay > deadline:
+                raise FeedbackServerError(f"feedback server {self.url} unreachable ({failure})")
+            time.sleep(delay)
+            delay = min(delay * 2, 10.0)
+
+    def alive(self) -> bool:
+        try:
+            self.request("GET", "/api/config", retry=False)
+            return True
+        except FeedbackServerError as error:
+            return "HTTP" in str(error) and "401" not in str(error) and "403" not in str(error)
+
+    def create_run(self, name: str, env_id: str, meta: dict) -> int:
+        return int(self.request("POST", "/api/runs", json_body={"name": name, "env_id": env_id, "meta": meta})["run_id"])
+
+    def upload_queries(self, run_id: int, queries: list[dict], clips: dict[str, Path]) -> list[int]:
+        return self.request("POST", f"/api/runs/{run_id}/queries", fields={"queries": json.dumps(queries)}, files=clips)["query_ids"]
+
+    def answers(self, run_id: int, after: int) -> tuple[list[dict], int]:
+        reply = self.request("GET", f"/api/runs/{run_id}/answers?after={after}")
+        return reply["answers"], int(reply["cursor"])
+
+    def upload_evaluations(self, run_id: int, evaluations: list[dict], clips: dict[str, Path]) -> None:
+        self.request("POST", f"/api/runs/{run_id}/evaluations", fields={"evaluations": json.dumps(evaluations)}, files=clips)
+
+
+def start_feedback_server(url: str, log_path: Path, token: str | None = None):
+    """Starts humanFeedback/feedback_server.py on the URL's port unless a server already answers there."""
+    import subprocess
+    from urllib.parse import urlparse
+
+    client = FeedbackClient(url, token)
+    if client.alive():
+        return None
+    parsed = urlparse(url)
+    server = Path(__file__).resolve().parent.parent / "humanFeedback" / "feedback_server.py"
+    command = [sys.executable, str(server), "--host", parsed.hostname or "127.0.0.1", "--port", str(parsed.port or 5001)]
+    if token:
+        command += ["--token", token]
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    process = subprocess.Popen(command, stdout=open(log_path, "a"), stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 30
+    while not client.alive():
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            raise FeedbackServerError(f"the feedback server did not start on {url}; see {log_path}")
+        time.sleep(0.2)
+    return process
+
+
+def segment_frames(renderer: SegmentRenderer, states: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """Frames of a segment; after its episode ended the last frame is held, so both clips last as long."""
+    valid = int(mask.sum())
+    frames = renderer.render_states(states[:valid])
+    return np.concatenate([frames, np.repeat(frames[-1:], len(states) - valid, axis=0)])
+
+
+class HumanTeacher:
+    """Asks people: renders each pair from its simulator states and uploads it as soon as it is encoded
+    (a background thread stays ahead of the labeller), then waits for every answer of the session."""
+
+    def __init__(
+        self,
+        client: FeedbackClient,
+        run_id: int,
+        renderer: SegmentRenderer,
+        clip_dir: Path,
+        fps: int,
+        cursor: int = 0,
+        poll_seconds: float = 1.0,
+    ):
+        self.client, self.run_id, self.renderer, self.clip_dir, self.fps = client, run_id, renderer, clip_dir, fps
+        self.cursor, self.poll_seconds = cursor, poll_seconds
+        self.answers: dict[int, dict] = {}  # query id -> latest answer; survives an interrupted session
+        self.partial_labels: np.ndarray | None = None
+
+    def render_clip(self, name: str, states: np.ndarray, mask: np.ndarray) -> Path:
+        path = self.clip_dir / name
+        write_mp4(path, segment_frames(self.renderer, states, mask), self.fps)
+        return path
+
+    def label(self, segments: dict, session: int, segment_ids: np.ndarray) -> tuple[np.ndarray, list[str]]:
+        """Labels (N,) as the synthetic teacher's (nan = skipped) and each label's annotator."""
+        import threading
+
+        count = len(segment_ids)
+        query_ids: list[int | None] = [None] * count
+        upload_error: list[BaseException] = []
+        stop = threading.Event()
+
+        def render_and_upload() -> None:
+            try:
+                for i in range(count):
+                    if stop.is_set():
+                        return
+                    stem = f"run{self.run_id}_s{session}_q{i}_{int(segment_ids[i, 0])}_{int(segment_ids[i, 1])}"
+                    clips = {
+                        side: self.render_clip(f"{stem}_{side}.mp4", segments["physics_states"][i, k], segments["masks"][i, k])
+                        for k, side in enumerate(("left", "right"))
+                    }
+                    query = {
+                        "left_clip": clips["left"].name,
+                        "right_clip": clips["right"].name,
+                        "left_segment_id": int(segment_ids[i, 0]),
+                        "right_segment_id": int(segment_ids[i, 1]),
+                        "session": session,
+                    }
+                    query_ids[i] = self.client.upload_queries(self.run_id, [query], {path.name: path for path in clips.values()})[0]
+            except BaseException as error:  # reported by the waiting thread
+                upload_error.append(error)
+
+        worker = threading.Thread(target=render_and_upload, daemon=True)
+        worker.start()
+        labels = np.full(count, np.nan, dtype=np.float32)
+        annotators = [""] * count
+        try:
+            while True:
+                new, self.cursor = self.client.answers(self.run_id, self.cursor)
+                for answer in new:
+                    if answer["choice"] == "undone":
+                        self.answers.pop(answer["query_id"], None)
+                    else:
+                        self.answers[answer["query_id"]] = answer
+                answered = [qid is not None and qid in self.answers for qid in query_ids]
+                print(
+                    f"\rfeedback session {session}: {sum(answered)}/{count} answered, {sum(q is not None for q in query_ids)} uploaded",
+                    end="",
+                    flush=True,
+                )
+                if upload_error:
+                    raise upload_error[0]
+                if all(answered):
+                    break
+                time.sleep(self.poll_seconds)
+        finally:
+            stop.set()
+            for i, qid in enumerate(query_ids):
+                if qid is not None and qid in self.answers:
+                    labels[i], annotators[i] = CHOICE_LABELS[self.answers[qid]["choice"]], self.answers[qid]["annotator"]
+            self.partial_labels = labels
+        print()
+        return labels, annotators
+
+
+class LabelLog:
+    """Every label a run obtains, with its segments, in runs/<run>/labels.sqlite (one transaction per
+    session), so a later run can train from it: --teacher-feedback-mode file --feedback-file PATH."""
+
+    ARRAYS = ("obs_actions", "masks", "true_rewards", "physics_states")
+
+    def __init__(self, path: Path):
+        import sqlite3
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.db = sqlite3.connect(path)
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute(
+            "CREATE TABLE IF NOT EXISTS labels (id INTEGER PRIMARY KEY, global_step INTEGER, session INTEGER, label REAL, annotator TEXT,"
+            " obs_actions BLOB, masks BLOB, true_rewards BLOB, physics_states BLOB, shapes TEXT)"
+        )
+        self.db.commit()
+
+    def append(self, segments: dict, labels: np.ndarray, annotators: list[str], session: int, global_step: int) -> None:
+        rows = []
+        for i in range(len(labels)):
+            arrays = {name: np.ascontiguousarray(segments[name][i]) for name in self.ARRAYS}
+            shapes = json.dumps({name: [list(a.shape), str(a.dtype)] for name, a in arrays.items()})
+            rows.append((global_step, session, float(labels[i]), annotators[i], *(a.tobytes() for a in arrays.values()), shapes))
+        with self.db:
+            self.db.executemany(
+                "INSERT INTO labels (global_step, session, label, annotator, obs_actions, masks, true_rewards, physics_states, shapes) VALUES (?,?,?,?,?,?,?,?,?)",
+                rows,
+            )
+
+    def close(self) -> None:
+        self.db.close()
+
+
+def read_label_file(path: str | Path) -> tuple[dict, np.ndarray]:
+    """Segments and labels of a labels.sqlite written by LabelLog, in the order they were obtained."""
+    import sqlite3
+
+    db = sqlite3.connect(f"file:{Path(path).resolve()}?mode=ro", uri=True)
+    rows = db.execute("SELECT label, obs_actions, masks, true_rewards, physics_states, shapes FROM labels ORDER BY id").fetchall()
+    db.close()
+    segments = {name: [] for name in LabelLog.ARRAYS}
+    for row in rows:
+        shapes = json.loads(row[5])
+        for name, blob in zip(LabelLog.ARRAYS, row[1:5]):
+            shape, dtype = shapes[name]
+            segments[name].append(np.frombuffer(blob, dtype=dtype).reshape(shape))
+    stacked = {name: np.stack(values) if values else np.zeros(0) for name, values in segments.items()}
+    return stacked, np.array([row[0] for row in rows], dtype=np.float32)
+
+
+# ----------------------------------------------------------------------------------------
 # Feedback schedule
 # ----------------------------------------------------------------------------------------
 def feedback_schedule(total_queries: int, queries_per_session: int, kind: str, decay: float = 0.8) -> list[int]:
@@ -1211,31 +1486,96 @@ def main(args: Args) -> dict:
         rb.load(args.path_to_replay_buffer)
         print(f"loaded exploration checkpoint at step {loop.global_step}")
 
-    def feedback_session(num_queries: int) -> None:
-        """Select pairs, ask the teacher, fit the reward model, relabel the replay buffer."""
-        session_start = time.time()
-        # The first session uses uniform sampling: an untrained ensemble's disagreement carries no information.
-        strategy = "uniform" if loop.sessions_done == 0 else args.preference_sampling
-        idx, mask = select_queries(
-            strategy, reward_model, rb, num_queries, args.segment_length, args.preference_sampling_pool_factor, rng, device
+    label_log = LabelLog(run_dir / "labels.sqlite")
+    server_process = human_teacher = renderer = None
+    if args.teacher_feedback_mode == "human":
+        if args.feedback_server_autostart:
+            server_process = start_feedback_server(args.feedback_server_url, run_dir / "feedback_server.log", args.feedback_server_token)
+        client = FeedbackClient(args.feedback_server_url, args.feedback_server_token)
+        feedback_run_id = client.create_run(run_name, args.env_id, {"seed": args.seed, "segment_length": args.segment_length})
+        renderer = SegmentRenderer(args.env_id, args.video_width, args.video_height)
+        human_teacher = HumanTeacher(
+            client,
+            feedback_run_id,
+            renderer,
+            video_dir / "clips",
+            args.clip_fps,
+            loop.extra.get("feedback_cursor", 0),
+            args.feedback_poll_seconds,
         )
-        segments = gather_segments(rb, idx, mask)
-        teacher.set_margin(args.segment_length * float(rb.true_rewards[: rb.size].mean()))
-        labels = teacher.label(segments["true_rewards"])
+        print(f"feedback server: label at {args.feedback_server_url}/ (run {feedback_run_id})")
+    elif args.teacher_feedback_mode == "file":
+        file_segments, file_labels = read_label_file(args.feedback_file)
+        print(f"training from {len(file_labels)} labels in {args.feedback_file}")
+
+    def record_labels(segments: dict, labels: np.ndarray, annotators: list[str]) -> None:
         answered = ~np.isnan(labels)
-        heldout = rng.random(num_queries) < args.reward_net_heldout_fraction
+        heldout = rng.random(len(labels)) < args.reward_net_heldout_fraction
         prefs.add(
             *(segments[k][answered] for k in ("obs_actions", "masks", "true_rewards", "physics_states")),
             labels[answered],
             heldout[answered],
             loop.global_step,
         )
+        label_log.append(
+            {k: segments[k][answered] for k in LabelLog.ARRAYS},
+            labels[answered],
+            [a for a, ok in zip(annotators, answered) if ok],
+            loop.sessions_done + 1,
+            loop.global_step,
+        )
         loop.labels_obtained += int(answered.sum())
         loop.queries_skipped += int((~answered).sum())
+
+    def ask_for_labels(num_queries: int) -> tuple[dict, np.ndarray, list[str]]:
+        """The session's segments and their labels, from the configured teacher."""
+        if args.teacher_feedback_mode == "file":
+            start = loop.extra.get("file_position", 0)
+            stop = min(start + num_queries, len(file_labels))
+            loop.extra["file_position"] = stop
+            return {k: v[start:stop] for k, v in file_segments.items()}, file_labels[start:stop], ["file"] * (stop - start)
+        # The first session uses uniform sampling: an untrained ensemble's disagreement carries no information.
+        strategy = "uniform" if loop.sessions_done == 0 else args.preference_sampling
+        idx, mask = select_queries(
+            strategy, reward_model, rb, num_queries, args.segment_length, args.preference_sampling_pool_factor, rng, device
+        )
+        segments = gather_segments(rb, idx, mask)
+        if args.teacher_feedback_mode == "simulated":
+            teacher.set_margin(args.segment_length * float(rb.true_rewards[: rb.size].mean()))
+            return segments, teacher.label(segments["true_rewards"]), ["synthetic"] * num_queries
+        try:
+            labels, annotators = human_teacher.label(segments, loop.sessions_done + 1, idx[:, :, 0])
+        except KeyboardInterrupt:
+            record_labels(segments, human_teacher.partial_labels, ["human"] * num_queries)  # keep what people gave
+            raise
+        finally:
+            loop.extra["feedback_cursor"] = human_teacher.cursor
+        return segments, labels, annotators
+
+    def upload_reward_check_clips(step: int) -> None:
+        """Seed 000's 'benchmark rewarder': a few clips ranked by predicted return, to compare with one's own."""
+        idx, mask = rb.sample_segment_pairs(args.feedback_check_clips, args.segment_length, rng)
+        idx, mask = idx[:, 0], mask[:, 0]
+        mean, _ = predict_rewards(reward_model, torch.as_tensor(rb.obs_actions(idx), device=device))
+        predicted = (mean.cpu().numpy() * mask).sum(-1)
+        clips, evaluations = {}, []
+        for i in range(len(idx)):
+            path = human_teacher.render_clip(f"run{feedback_run_id}_check_{step}_{i}.mp4", rb.physics_states[idx[i]], mask[i])
+            clips[path.name] = path
+            evaluations.append({"clip": path.name, "predicted_return": float(predicted[i]), "step": step})
+        human_teacher.client.upload_evaluations(feedback_run_id, evaluations, clips)
+
+    def feedback_session(num_queries: int) -> None:
+        """Select pairs, ask the teacher, fit the reward model, relabel the replay buffer."""
+        session_start = time.time()
+        segments, labels, annotators = ask_for_labels(num_queries)
+        record_labels(segments, labels, annotators)
         loop.sessions_done += 1
         stats = train_reward_model(reward_model, reward_optimizer, prefs, rb, args, rng, device)
         relabel_replay_buffer(reward_model, rb, device, args.relabel_chunk_size)
         step = loop.global_step
+        if human_teacher is not None and args.feedback_check_clips > 0:
+            upload_reward_check_clips(step)
         writer.add_scalar("feedback/labels_obtained", loop.labels_obtained, step)
         writer.add_scalar("feedback/queries_skipped", loop.queries_skipped, step)
         writer.add_scalar("feedback/sessions", loop.sessions_done, step)
@@ -1371,12 +1711,19 @@ def main(args: Args) -> dict:
         if progress is not None:
             progress.update(loop.global_step - progress.n)
             progress.close()
+        label_log.close()
+        if renderer is not None:
+            renderer.close()
+        if server_process is not None:
+            server_process.terminate()
+            server_process.wait(timeout=10)
 
     if not interrupted:
         evaluate(loop.global_step)
     summary = {
         "run_name": run_name,
         "env_id": args.env_id,
+        "teacher_feedback_mode": args.teacher_feedback_mode,
         "global_step": loop.global_step,
         "final_eval_return": loop.last_eval_return,
         "labels_obtained": loop.labels_obtained,
@@ -1408,6 +1755,9 @@ def cli() -> None:
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
+    except FeedbackServerError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(1)
     except KeyboardInterrupt:
         sys.exit(130)
 

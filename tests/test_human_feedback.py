@@ -1,0 +1,121 @@
+"""Human feedback end to end: sac_rlhf.py in human mode against a real feedback server, answered by a
+scripted labeller over HTTP; then file mode trains from the labels that run saved."""
+
+import socket
+import sqlite3
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from test_end_to_end import small_args
+
+import sac_rlhf
+
+requests = pytest.importorskip("requests")
+CHOICES = ["left", "right", "tie", "skip"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ScriptedLabeller(threading.Thread):
+    """Answers every query it is given, cycling left / right / tie / skip by query id."""
+
+    def __init__(self, base: str):
+        super().__init__(daemon=True)
+        self.base, self.given, self.stop = base, {}, threading.Event()
+
+    def run(self):
+        while not self.stop.is_set():
+            try:
+                query = requests.get(f"{self.base}/api/next", params={"annotator": "bot"}, timeout=5).json()
+            except requests.ConnectionError:  # the trainer has not started the server yet
+                time.sleep(0.1)
+                continue
+            if query.get("waiting"):
+                time.sleep(0.1)
+                continue
+            for side in ("left_url", "right_url"):  # the clips are served and are mp4s
+                assert requests.get(self.base + query[side], timeout=5).content[4:8] == b"ftyp"
+            choice = CHOICES[query["query_id"] % 4]
+            reply = requests.post(
+                f"{self.base}/api/queries/{query['query_id']}/label", json={"choice": choice, "annotator": "bot"}, timeout=5
+            )
+            assert reply.status_code == 201, reply.text
+            self.given[query["query_id"]] = choice
+
+
+def test_human_mode_receives_exactly_the_labels_given_and_file_mode_reuses_them(chdir_tmp):
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    labeller = ScriptedLabeller(base)
+    labeller.start()
+    args = small_args(
+        "human",
+        total_timesteps=800,
+        teacher_feedback_mode="human",
+        feedback_server_url=base,
+        feedback_server_autostart=True,
+        feedback_poll_seconds=0.1,
+        feedback_check_clips=2,
+        teacher_feedback_total_queries=12,
+        teacher_feedback_num_queries_per_session=6,
+        teacher_feedback_schedule="linear",
+        segment_length=10,
+        max_augmentation_offset=3,
+        min_augmentation_offset=1,
+        video_width=96,
+        video_height=72,
+    )
+    try:
+        summary = sac_rlhf.main(args)
+    finally:
+        labeller.stop.set()
+    labeller.join(timeout=10)
+
+    # Two sessions of 6 queries; the labeller answered all 12, skips are not labels.
+    assert sorted(labeller.given) == list(range(1, 13))
+    expected = [sac_rlhf.CHOICE_LABELS[labeller.given[q]] for q in sorted(labeller.given) if labeller.given[q] != "skip"]
+    assert summary["labels_obtained"] == len(expected) == 9 and summary["queries_skipped"] == 3
+    checkpoint = torch.load("models/human/latest/checkpoint.pt", weights_only=False)
+    np.testing.assert_array_equal(checkpoint["preference_buffer"]["labels"], np.array(expected, dtype=np.float32))
+    assert checkpoint["loop"]["extra"]["feedback_cursor"] >= 12
+
+    # The server was started by the trainer, logged to the run and stopped at the end.
+    assert Path("runs/human/feedback_server.log").is_file()
+    with pytest.raises(requests.ConnectionError):
+        requests.get(base + "/api/config", timeout=2)
+
+    # After each reward update, 2 clips with the reward model's predicted return (the check view).
+    with sqlite3.connect("feedback_data/feedback.sqlite3") as db:
+        checks = db.execute("SELECT clip, predicted_return, step FROM evaluations ORDER BY id").fetchall()
+    assert [step for _, _, step in checks] == [400, 400, 700, 700]
+    assert all(Path("feedback_data/clips").rglob(clip) for clip, _, _ in checks)
+    assert len({round(value, 6) for _, value, _ in checks}) > 1
+
+    # The labels with their segments are in runs/human/labels.sqlite ...
+    with sqlite3.connect("runs/human/labels.sqlite") as db:
+        assert [row[0] for row in db.execute("SELECT label FROM labels ORDER BY id")] == expected
+    # ... and a new run trains from them without asking anyone.
+    sac_rlhf.main(
+        small_args(
+            "replay",
+            total_timesteps=800,
+            teacher_feedback_mode="file",
+            feedback_file="runs/human/labels.sqlite",
+            teacher_feedback_total_queries=12,
+            teacher_feedback_num_queries_per_session=6,
+            segment_length=10,
+            max_augmentation_offset=3,
+            min_augmentation_offset=1,
+        )
+    )
+    replayed = torch.load("models/replay/latest/checkpoint.pt", weights_only=False)["preference_buffer"]
+    np.testing.assert_array_equal(replayed["labels"], checkpoint["preference_buffer"]["labels"])
+    np.testing.assert_array_equal(replayed["obs_actions"], checkpoint["preference_buffer"]["obs_actions"])
