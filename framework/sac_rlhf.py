@@ -1297,6 +1297,7 @@ def train_reward_model(
             losses.append(loss.item() / ensemble)
         stats["train_loss"], stats["epochs"] = float(np.mean(losses)), epoch + 1
         stats["ssl_loss"] = float(np.mean(ssl_losses)) if ssl_losses else 0.0
+        # Stop on the accuracy of the whole, uncropped training split: cropped-batch accuracy stops too early.
         if preference_accuracy(model, prefs, train_idx, device) >= args.reward_net_target_accuracy:
             break
     model.train()
@@ -1313,12 +1314,14 @@ def surf_loss(
     segments = torch.as_tensor(rb.obs_actions(idx), device=device)
     crop = temporal_crop_masks(mask.shape[:-1], args.segment_length, args.min_augmentation_offset, args.max_augmentation_offset)
     masks = torch.as_tensor(mask, device=device, dtype=torch.float32) * crop.to(device)
-    returns = (model(segments) * masks).sum(-1)  # (E, n, 2)
-    labels, confident = pseudo_labels(torch.sigmoid(returns[..., 1] - returns[..., 0]).detach(), args.surf_tau)
+    with torch.no_grad():  # find the confident pairs first: only they take part in the backward pass
+        returns = (model(segments) * masks).sum(-1)  # (E, n, 2)
+        labels, confident = pseudo_labels(torch.sigmoid(returns[..., 1] - returns[..., 0]), args.surf_tau)
     if not confident.any():
-        return returns.sum() * 0.0, 0
+        return torch.zeros((), device=device), 0
     ensemble = model.ensemble_size
-    loss = bradley_terry_loss(returns[:, confident], labels[confident].expand(ensemble, -1)) * ensemble
+    returns = (model(segments[confident]) * masks[confident]).sum(-1)
+    loss = bradley_terry_loss(returns, labels[confident].expand(ensemble, -1)) * ensemble
     return loss, int(confident.sum())
 
 
