@@ -159,6 +159,8 @@ class Args(SACArgs):
     """human mode: clips with the reward model's predicted return uploaded after each reward update"""
     clip_fps: int = 30
     """frame rate of the clips shown to people (one frame per environment step)"""
+    clip_shadows: bool = False
+    """render shadows and reflections in the clips (about 3x slower with software rendering)"""
     teacher_feedback_schedule: Literal["linear", "exponential"] = "exponential"
     """`linear`: every session asks the same number of queries; `exponential`: earlier sessions ask more"""
     teacher_feedback_total_queries: int = 1000
@@ -390,10 +392,17 @@ def physics_state_size(env: gym.Env) -> int:
 class SegmentRenderer:
     """Re-renders stored simulator states with one reused offscreen renderer."""
 
-    def __init__(self, env_id: str, width: int = 320, height: int = 240):
+    def __init__(self, env_id: str, width: int = 320, height: int = 240, shadows: bool = True):
         self.env = make_env(env_id, seed=0, render_mode="rgb_array", width=width, height=height)()
         self.env.reset(seed=0)
         self.fps = self.env.metadata.get("render_fps", 30)
+        renderer = getattr(self.env.unwrapped, "mujoco_renderer", None)  # Gymnasium MuJoCo envs
+        if not shadows and renderer is not None:
+            import mujoco
+
+            # Shadows and reflections are most of llvmpipe's work: without them clips render about 3x faster.
+            scene = renderer._get_viewer("rgb_array").scn
+            scene.flags[mujoco.mjtRndFlag.mjRND_SHADOW] = scene.flags[mujoco.mjtRndFlag.mjRND_REFLECTION] = 0
 
     def render_states(self, states: np.ndarray) -> np.ndarray:
         frames = []
@@ -1496,7 +1505,7 @@ def main(args: Args) -> dict:
             server_process = start_feedback_server(args.feedback_server_url, run_dir / "feedback_server.log", args.feedback_server_token)
         client = FeedbackClient(args.feedback_server_url, args.feedback_server_token)
         feedback_run_id = client.create_run(run_name, args.env_id, {"seed": args.seed, "segment_length": args.segment_length})
-        renderer = SegmentRenderer(args.env_id, args.video_width, args.video_height)
+        renderer = SegmentRenderer(args.env_id, args.video_width, args.video_height, shadows=args.clip_shadows)
         human_teacher = HumanTeacher(
             client,
             feedback_run_id,

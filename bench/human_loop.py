@@ -1,0 +1,343 @@
+"""Human feedback loop latency: how soon a person gets the first playable pair, how fast pairs are
+rendered, encoded and uploaded, and whether rendering stays ahead of someone who answers every few
+seconds. Everything is real: a feedback server subprocess, a replay buffer of random-action
+transitions with their simulator states, sac_rlhf.HumanTeacher rendering and uploading in its
+background thread, and a scripted labeller that talks to the server over HTTP like the browser page.
+
+    python bench/human_loop.py                                  # Hopper-v5 and dm_control/walker-walk-v0
+    python bench/human_loop.py --env-ids Hopper-v5 --pairs 20 --answer-seconds 2
+
+Per environment, a session of --pairs pairs starts at t=0 (HumanTeacher.label). The labeller polls
+GET /api/next every 20 ms from t=0; once it gets a pair it downloads both clips (playable), answers
+--answer-seconds after the pair became available, and asks for the next one. Reported:
+  first_pair_s     t of the first pair available and both clips downloaded (target <= 2 s)
+  pairs_per_s      pairs rendered + encoded + uploaded per second (HumanTeacher's upload thread)
+  clips_per_s      clips rendered + encoded per second (render_clip alone)
+  ready10_s        t at which 10 pairs were on the server
+  wait_s           time the labeller spent waiting for a pair after the first one
+                   (0: rendering stayed ahead of the labeller, the second target)
+The renderer is cold at t=0, as in a training run's first session (the GL context is made then).
+Baseline: the first --baseline-clips clips again, rendered the naive way by a fresh
+gym.make(env_id, render_mode="rgb_array") at 480x480 with MuJoCo's default shadow map, and encoded
+the same way; speedup = clips_per_s / baseline clips per second.
+"""
+
+import os
+
+os.environ.setdefault("MUJOCO_GL", "egl")  # before anything imports mujoco
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import socket  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+import urllib.request  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+from common import FRAMEWORK, REPO, machine_info, print_table, write_json  # noqa: E402
+
+sys.path.insert(0, str(FRAMEWORK))
+import gymnasium as gym  # noqa: E402
+
+import sac_rlhf  # noqa: E402
+
+SERVER = REPO / "humanFeedback" / "feedback_server.py"
+CHOICES = ("left", "right", "tie", "skip")
+POLL_SECONDS = 0.02
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(port: int, data_dir: Path, log: Path) -> subprocess.Popen:
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "ab") as out:
+        process = subprocess.Popen(
+            [sys.executable, str(SERVER), "--port", str(port), "--data-dir", str(data_dir)], stdout=out, stderr=subprocess.STDOUT
+        )
+    probe = sac_rlhf.FeedbackClient(f"http://127.0.0.1:{port}", retry_seconds=0, timeout=2)
+    deadline = time.monotonic() + 30
+    while not probe.alive():
+        if process.poll() is not None or time.monotonic() > deadline:
+            stop_process(process)
+            raise SystemExit(f"the feedback server did not start on port {port}; see {log}")
+        time.sleep(0.1)
+    return process
+
+
+def stop_process(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def random_replay(env_id: str, steps: int, seed: int) -> sac_rlhf.ReplayBuffer:
+    """A replay buffer of random-action transitions, each with the simulator state behind its obs."""
+    env = sac_rlhf.make_env(env_id, seed)()
+    try:
+        obs, _ = env.reset(seed=seed)
+        state_dim = sac_rlhf.physics_state_size(env)
+        rb = sac_rlhf.ReplayBuffer(steps, obs.shape[0], env.action_space.shape[0], state_dim)
+        episode = 0
+        for _ in range(steps):
+            state = sac_rlhf.get_physics_state(env)
+            action = env.action_space.sample()
+            next_obs, reward, terminated, truncated, _ = env.step(action)
+            rb.add(obs, next_obs, action, reward, terminated, episode, state)
+            obs = next_obs
+            if terminated or truncated:
+                episode += 1
+                obs, _ = env.reset()
+        return rb
+    finally:
+        env.close()
+
+
+class ScriptedLabeller(threading.Thread):
+    """A person at the page: takes the next pair, plays both clips, answers `answer_seconds` after the
+    pair became available, then is ready for the next pair. Records when each pair was available and
+    how long the labeller had been waiting for it."""
+
+    def __init__(self, base: str, run_id: int, count: int, answer_seconds: float, t0: float):
+        super().__init__(daemon=True)
+        self.base, self.run_id, self.count, self.answer_seconds, self.t0 = base, run_id, count, answer_seconds, t0
+        self.client = sac_rlhf.FeedbackClient(base, retry_seconds=10, timeout=10)
+        self.records: list[dict] = []
+        self.error: BaseException | None = None
+        self.stop = threading.Event()
+
+    def now(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def run(self) -> None:
+        try:
+            ready = 0.0
+            while len(self.records) < self.count and not self.stop.is_set():
+                polls_waiting = 0
+                while not self.stop.is_set():
+                    query = self.client.request("GET", f"/api/next?annotator=bench&run_id={self.run_id}")
+                    if not query.get("waiting"):
+                        break
+                    polls_waiting += 1
+                    self.stop.wait(POLL_SECONDS)
+                else:
+                    return
+                available = self.now()
+                for side in ("left_url", "right_url"):
+                    with urllib.request.urlopen(self.base + query[side], timeout=10) as response:
+                        if response.read()[4:8] != b"ftyp":
+                            raise RuntimeError(f"{query[side]} is not an mp4")
+                playable = self.now()
+                choice = CHOICES[len(self.records) % len(CHOICES)]
+                self.stop.wait(max(0.0, available + self.answer_seconds - self.now()))
+                self.client.request("POST", f"/api/queries/{query['query_id']}/label", json_body={"choice": choice, "annotator": "bench"})
+                answered = self.now()
+                self.records.append(
+                    {
+                        "query_id": query["query_id"],
+                        "ready": ready,
+                        "available": available,
+                        "playable": playable,
+                        "answered": answered,
+                        # Only time spent polling an empty queue counts as waiting, not one request's latency.
+                        "wait": available - ready if polls_waiting else 0.0,
+                        "choice": choice,
+                    }
+                )
+                ready = answered
+        except BaseException as error:  # reported by the main thread
+            self.error = error
+
+
+def instrument(teacher: sac_rlhf.HumanTeacher, t0_box: list) -> tuple[list, list]:
+    """Wraps the teacher's render_clip and its client's upload_queries to record when each ran."""
+    clips, uploads = [], []
+    render_clip, upload_queries = teacher.render_clip, teacher.client.upload_queries
+
+    def timed_render_clip(name, states, mask):
+        start = time.perf_counter()
+        path = render_clip(name, states, mask)
+        clips.append({"start": start - t0_box[0], "end": time.perf_counter() - t0_box[0], "frames": int(mask.sum())})
+        return path
+
+    def timed_upload_queries(run_id, queries, files):
+        start = time.perf_counter()
+        ids = upload_queries(run_id, queries, files)
+        uploads.append({"start": start - t0_box[0], "end": time.perf_counter() - t0_box[0]})
+        return ids
+
+    teacher.render_clip = timed_render_clip
+    teacher.client.upload_queries = timed_upload_queries
+    return clips, uploads
+
+
+class NaiveRenderer:
+    """The naive way: gym.make with rgb_array at its default 480x480, MuJoCo's default shadow map."""
+
+    def __init__(self, env_id: str):
+        sac_rlhf.check_env_id(env_id)
+        kwargs = {"render_kwargs": {"width": 480, "height": 480, "camera_id": 0}} if env_id.startswith("dm_control/") else {}
+        self.env = gym.make(env_id, render_mode="rgb_array", **kwargs)
+        self.env.reset(seed=0)
+
+    def render_states(self, states: np.ndarray) -> np.ndarray:
+        frames = []
+        for state in states:
+            sac_rlhf.set_physics_state(self.env, state)
+            frames.append(self.env.render())
+        return np.stack(frames)
+
+    def close(self) -> None:
+        self.env.close()
+
+
+def baseline(env_id: str, segments: dict, count: int, fps: int, clip_dir: Path) -> dict:
+    start = time.perf_counter()
+    renderer = NaiveRenderer(env_id)
+    setup = time.perf_counter() - start
+    try:
+        sides = [(i // 2, i % 2) for i in range(min(count, 2 * len(segments["masks"])))]
+        durations, frame_shape = [], None
+        for n, (i, k) in enumerate(sides):
+            start = time.perf_counter()
+            frames = sac_rlhf.segment_frames(renderer, segments["physics_states"][i, k], segments["masks"][i, k])
+            sac_rlhf.write_mp4(clip_dir / f"naive_{n}.mp4", frames, fps)
+            durations.append(time.perf_counter() - start)
+            frame_shape = frames.shape[1:3]
+    finally:
+        renderer.close()
+    return {
+        "setup_s": setup,
+        "clips": len(durations),
+        "clip_seconds": durations,
+        "clips_per_s": len(durations) / sum(durations),
+        "frame": f"{frame_shape[1]}x{frame_shape[0]}",
+    }
+
+
+def run_env(env_id: str, args: argparse.Namespace, workdir: Path) -> dict:
+    rb = random_replay(env_id, args.replay_steps, args.seed)
+    rng = np.random.default_rng(args.seed)
+    idx, mask = rb.sample_segment_pairs(args.pairs, args.segment_length, rng)
+    segments = sac_rlhf.gather_segments(rb, idx, mask)
+    episodes = int(rb.episode_ids[: rb.size].max()) + 1
+
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    server = start_server(port, workdir / "feedback_data", workdir / "feedback_server.log")
+    renderer = labeller = None
+    try:
+        client = sac_rlhf.FeedbackClient(base, retry_seconds=30)
+        run_id = client.create_run(f"human_loop_{env_id.replace('/', '_')}", env_id, {"segment_length": args.segment_length})
+        start = time.perf_counter()
+        renderer = sac_rlhf.SegmentRenderer(env_id, args.width, args.height)
+        renderer_setup = time.perf_counter() - start
+        teacher = sac_rlhf.HumanTeacher(client, run_id, renderer, workdir / "clips", args.fps, poll_seconds=args.poll_seconds)
+        t0_box = [0.0]
+        clips, uploads = instrument(teacher, t0_box)
+
+        t0_box[0] = time.perf_counter()
+        labeller = ScriptedLabeller(base, run_id, args.pairs, args.answer_seconds, t0_box[0])
+        labeller.start()  # the same moment as the session
+        labels, _ = teacher.label(segments, 1, idx[:, :, 0])
+        session = time.perf_counter() - t0_box[0]
+        labeller.join(timeout=args.answer_seconds + 30)
+        if labeller.error is not None:
+            raise labeller.error
+        expected = [sac_rlhf.CHOICE_LABELS[r["choice"]] for r in sorted(labeller.records, key=lambda r: r["query_id"])]
+        np.testing.assert_array_equal(labels, np.array(expected, dtype=np.float32))  # the session got what was given
+    finally:
+        if labeller is not None:
+            labeller.stop.set()
+        if renderer is not None:
+            renderer.close()
+        stop_process(server)
+
+    records = labeller.records
+    render_seconds = sum(c["end"] - c["start"] for c in clips)
+    ready10 = uploads[9]["end"] if len(uploads) >= 10 else None
+    base_result = baseline(env_id, segments, args.baseline_clips, args.fps, workdir / "naive_clips")
+    clips_per_s = len(clips) / render_seconds
+    wait = sum(r["wait"] for r in records[1:])
+    return {
+        "env_id": env_id,
+        "frame": f"{args.width}x{args.height}",
+        "segment_length": args.segment_length,
+        "mean_valid_frames": float(mask.sum(-1).mean()),
+        "replay_episodes": episodes,
+        "renderer_setup_s": renderer_setup,
+        "first_available_s": records[0]["available"],
+        "first_pair_s": records[0]["playable"],
+        "pairs_per_s": len(uploads) / (uploads[-1]["end"] - clips[0]["start"]),
+        "clips_per_s": clips_per_s,
+        "ready10_s": ready10,
+        "wait_s": wait,
+        "session_s": session,
+        "baseline_clips_per_s": base_result["clips_per_s"],
+        "speedup": clips_per_s / base_result["clips_per_s"],
+        "first_pair_within_2s": records[0]["playable"] <= 2.0,
+        "rendering_ahead": wait == 0.0,
+        "baseline": base_result,
+        "pairs": records,
+        "clips": clips,
+        "uploads": uploads,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--env-ids", nargs="+", default=["Hopper-v5", "dm_control/walker-walk-v0"])
+    parser.add_argument("--pairs", type=int, default=10)
+    parser.add_argument("--segment-length", type=int, default=50)
+    parser.add_argument("--answer-seconds", type=float, default=3.0, help="the labeller answers this long after a pair is available")
+    parser.add_argument("--width", type=int, default=320)
+    parser.add_argument("--height", type=int, default=240)
+    parser.add_argument("--fps", type=int, default=30, help="clip frame rate (sac_rlhf's --clip-fps default)")
+    parser.add_argument("--poll-seconds", type=float, default=0.25, help="HumanTeacher's answer polling interval")
+    parser.add_argument("--replay-steps", type=int, default=2000, help="random-action transitions in the replay buffer")
+    parser.add_argument("--baseline-clips", type=int, default=4)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--output", type=Path, default=REPO / "bench" / "results" / "human_loop.json")
+    args = parser.parse_args()
+    if args.pairs < 1 or args.segment_length < 1 or args.replay_steps < args.segment_length:
+        parser.error("--pairs and --segment-length must be >= 1 and --replay-steps >= --segment-length")
+
+    load_before = list(os.getloadavg())
+    results = []
+    with tempfile.TemporaryDirectory(prefix="human_loop_") as tmp:
+        for n, env_id in enumerate(args.env_ids):
+            print(f"{env_id}: {args.pairs} pairs of {args.segment_length}-step clips at {args.width}x{args.height}", flush=True)
+            results.append(run_env(env_id, args, Path(tmp) / str(n)))
+            r = results[-1]
+            print(f"{env_id}: first pair playable at {r['first_pair_s']:.2f} s, labeller waited {r['wait_s']:.2f} s", flush=True)
+
+    columns = ["env_id", "frame", "segment_length", "mean_valid_frames", "first_pair_s", "pairs_per_s", "clips_per_s", "ready10_s"]
+    columns += ["wait_s", "baseline_clips_per_s", "speedup"]
+    print_table(results, columns)
+    print(f"targets: first pair playable <= 2 s; rendering ahead of a labeller answering every {args.answer_seconds:g} s (wait_s == 0)")
+    for r in results:
+        print(f"  {r['env_id']}: first pair {'met' if r['first_pair_within_2s'] else 'MISSED'}, ahead {'met' if r['rendering_ahead'] else 'MISSED'}")
+    write_json(
+        args.output,
+        {
+            "benchmark": "human_loop",
+            "machine": machine_info() | {"load_average_before": load_before, "load_average_after": list(os.getloadavg()), "mujoco_gl": os.environ.get("MUJOCO_GL")},
+            "settings": vars(args) | {"output": str(args.output)},
+            "results": json.loads(json.dumps(results, default=float)),
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()
