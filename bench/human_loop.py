@@ -12,14 +12,15 @@ GET /api/next every 20 ms from t=0; once it gets a pair it downloads both clips 
 --answer-seconds after the pair became available, and asks for the next one. Reported:
   first_pair_s     t of the first pair available and both clips downloaded (target <= 2 s)
   pairs_per_s      pairs rendered + encoded + uploaded per second (HumanTeacher's upload thread)
-  clips_per_s      clips rendered + encoded per second (render_clip alone)
+  clips_per_s      clips rendered + encoded per second (render_clip alone, the first clip left out)
   ready10_s        t at which 10 pairs were on the server
   wait_s           time the labeller spent waiting for a pair after the first one
                    (0: rendering stayed ahead of the labeller, the second target)
-The renderer is cold at t=0, as in a training run's first session (the GL context is made then).
-Baseline: the first --baseline-clips clips again, rendered the naive way by a fresh
-gym.make(env_id, render_mode="rgb_array") at 480x480 with MuJoCo's default shadow map, and encoded
-the same way; speedup = clips_per_s / baseline clips per second.
+The renderer is made before t=0, as sac_rlhf.py makes it at the start of a human-feedback run, and
+without shadows or reflections unless --shadows (sac_rlhf.py's --clip-shadows default).
+Baseline: --baseline-clips of the session's clips (the 2nd, 3rd, ...) again, rendered the naive way by a
+fresh gym.make(env_id, render_mode="rgb_array") at 480x480 with MuJoCo's default shadow map and
+encoded the same way; speedup = the baseline's time for those clips / the session's time for them.
 """
 
 import os
@@ -162,13 +163,20 @@ class ScriptedLabeller(threading.Thread):
 
 def instrument(teacher: sac_rlhf.HumanTeacher, t0_box: list) -> tuple[list, list]:
     """Wraps the teacher's render_clip and its client's upload_queries to record when each ran."""
-    clips, uploads = [], []
-    render_clip, upload_queries = teacher.render_clip, teacher.client.upload_queries
+    clips, uploads, render_seconds = [], [], []
+    render_clip, upload_queries, render_states = teacher.render_clip, teacher.client.upload_queries, teacher.renderer.render_states
+
+    def timed_render_states(states):
+        start = time.perf_counter()
+        frames = render_states(states)
+        render_seconds.append(time.perf_counter() - start)
+        return frames
 
     def timed_render_clip(name, states, mask):
         start = time.perf_counter()
         path = render_clip(name, states, mask)
-        clips.append({"start": start - t0_box[0], "end": time.perf_counter() - t0_box[0], "frames": int(mask.sum())})
+        end = time.perf_counter()
+        clips.append({"start": start - t0_box[0], "end": end - t0_box[0], "render": render_seconds[-1], "frames": int(mask.sum())})
         return path
 
     def timed_upload_queries(run_id, queries, files):
@@ -177,6 +185,7 @@ def instrument(teacher: sac_rlhf.HumanTeacher, t0_box: list) -> tuple[list, list
         uploads.append({"start": start - t0_box[0], "end": time.perf_counter() - t0_box[0]})
         return ids
 
+    teacher.renderer.render_states = timed_render_states
     teacher.render_clip = timed_render_clip
     teacher.client.upload_queries = timed_upload_queries
     return clips, uploads
@@ -202,16 +211,17 @@ class NaiveRenderer:
         self.env.close()
 
 
-def baseline(env_id: str, segments: dict, count: int, fps: int, clip_dir: Path) -> dict:
+def baseline(env_id: str, segments: dict, clip_numbers: list[int], fps: int, clip_dir: Path) -> dict:
+    """Renders and encodes clips `clip_numbers` (clip n = pair n // 2, side n % 2) the naive way."""
     start = time.perf_counter()
     renderer = NaiveRenderer(env_id)
+    renderer.render_states(segments["physics_states"][0, 0, :1])  # makes the GL context, untimed like the warm clips
     setup = time.perf_counter() - start
     try:
-        sides = [(i // 2, i % 2) for i in range(min(count, 2 * len(segments["masks"])))]
         durations, frame_shape = [], None
-        for n, (i, k) in enumerate(sides):
+        for n in clip_numbers:
             start = time.perf_counter()
-            frames = sac_rlhf.segment_frames(renderer, segments["physics_states"][i, k], segments["masks"][i, k])
+            frames = sac_rlhf.segment_frames(renderer, segments["physics_states"][n // 2, n % 2], segments["masks"][n // 2, n % 2])
             sac_rlhf.write_mp4(clip_dir / f"naive_{n}.mp4", frames, fps)
             durations.append(time.perf_counter() - start)
             frame_shape = frames.shape[1:3]
@@ -219,7 +229,7 @@ def baseline(env_id: str, segments: dict, count: int, fps: int, clip_dir: Path) 
         renderer.close()
     return {
         "setup_s": setup,
-        "clips": len(durations),
+        "clip_numbers": clip_numbers,
         "clip_seconds": durations,
         "clips_per_s": len(durations) / sum(durations),
         "frame": f"{frame_shape[1]}x{frame_shape[0]}",
@@ -241,7 +251,7 @@ def run_env(env_id: str, args: argparse.Namespace, workdir: Path) -> dict:
         client = sac_rlhf.FeedbackClient(base, retry_seconds=30)
         run_id = client.create_run(f"human_loop_{env_id.replace('/', '_')}", env_id, {"segment_length": args.segment_length})
         start = time.perf_counter()
-        renderer = sac_rlhf.SegmentRenderer(env_id, args.width, args.height)
+        renderer = sac_rlhf.SegmentRenderer(env_id, args.width, args.height, shadows=args.shadows)
         renderer_setup = time.perf_counter() - start
         teacher = sac_rlhf.HumanTeacher(client, run_id, renderer, workdir / "clips", args.fps, poll_seconds=args.poll_seconds)
         t0_box = [0.0]
@@ -260,15 +270,20 @@ def run_env(env_id: str, args: argparse.Namespace, workdir: Path) -> dict:
     finally:
         if labeller is not None:
             labeller.stop.set()
-        if renderer is not None:
-            renderer.close()
-        stop_process(server)
+        try:
+            if renderer is not None:
+                renderer.close()
+        finally:
+            stop_process(server)
 
     records = labeller.records
-    render_seconds = sum(c["end"] - c["start"] for c in clips)
+    durations = [c["end"] - c["start"] for c in clips]
+    warm = durations[1:] or durations  # the first clip also makes the renderer's GL context
     ready10 = uploads[9]["end"] if len(uploads) >= 10 else None
-    base_result = baseline(env_id, segments, args.baseline_clips, args.fps, workdir / "naive_clips")
-    clips_per_s = len(clips) / render_seconds
+    # The naive way on the same warm clips (not the first), so the speedup compares identical work.
+    numbers = list(range(1, len(clips)))[: args.baseline_clips] or [0]
+    base_result = baseline(env_id, segments, numbers, args.fps, workdir / "naive_clips")
+    same_clips = sum(durations[n] for n in numbers)
     wait = sum(r["wait"] for r in records[1:])
     return {
         "env_id": env_id,
@@ -280,12 +295,15 @@ def run_env(env_id: str, args: argparse.Namespace, workdir: Path) -> dict:
         "first_available_s": records[0]["available"],
         "first_pair_s": records[0]["playable"],
         "pairs_per_s": len(uploads) / (uploads[-1]["end"] - clips[0]["start"]),
-        "clips_per_s": clips_per_s,
+        "first_clip_s": durations[0],
+        "render_seconds_per_frame": sum(c["render"] for c in clips[1:] or clips) / sum(c["frames"] for c in clips[1:] or clips),
+        "encode_seconds_per_clip": sum(c["end"] - c["start"] - c["render"] for c in clips[1:] or clips) / len(clips[1:] or clips),
+        "clips_per_s": len(warm) / sum(warm),
         "ready10_s": ready10,
         "wait_s": wait,
         "session_s": session,
         "baseline_clips_per_s": base_result["clips_per_s"],
-        "speedup": clips_per_s / base_result["clips_per_s"],
+        "speedup": sum(base_result["clip_seconds"]) / same_clips,
         "first_pair_within_2s": records[0]["playable"] <= 2.0,
         "rendering_ahead": wait == 0.0,
         "baseline": base_result,
@@ -301,6 +319,7 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=10)
     parser.add_argument("--segment-length", type=int, default=50)
     parser.add_argument("--answer-seconds", type=float, default=3.0, help="the labeller answers this long after a pair is available")
+    parser.add_argument("--shadows", action="store_true", help="render shadows and reflections (sac_rlhf.py --clip-shadows)")
     parser.add_argument("--width", type=int, default=320)
     parser.add_argument("--height", type=int, default=240)
     parser.add_argument("--fps", type=int, default=30, help="clip frame rate (sac_rlhf's --clip-fps default)")
@@ -325,14 +344,18 @@ def main() -> None:
     columns = ["env_id", "frame", "segment_length", "mean_valid_frames", "first_pair_s", "pairs_per_s", "clips_per_s", "ready10_s"]
     columns += ["wait_s", "baseline_clips_per_s", "speedup"]
     print_table(results, columns)
+    print_table(results, ["env_id", "renderer_setup_s", "first_clip_s", "render_seconds_per_frame", "encode_seconds_per_clip", "session_s"])
     print(f"targets: first pair playable <= 2 s; rendering ahead of a labeller answering every {args.answer_seconds:g} s (wait_s == 0)")
     for r in results:
-        print(f"  {r['env_id']}: first pair {'met' if r['first_pair_within_2s'] else 'MISSED'}, ahead {'met' if r['rendering_ahead'] else 'MISSED'}")
+        print(
+            f"  {r['env_id']}: first pair {'met' if r['first_pair_within_2s'] else 'MISSED'}, ahead {'met' if r['rendering_ahead'] else 'MISSED'}"
+        )
     write_json(
         args.output,
         {
             "benchmark": "human_loop",
-            "machine": machine_info() | {"load_average_before": load_before, "load_average_after": list(os.getloadavg()), "mujoco_gl": os.environ.get("MUJOCO_GL")},
+            "machine": machine_info()
+            | {"load_average_before": load_before, "load_average_after": list(os.getloadavg()), "mujoco_gl": os.environ.get("MUJOCO_GL")},
             "settings": vars(args) | {"output": str(args.output)},
             "results": json.loads(json.dumps(results, default=float)),
         },

@@ -390,9 +390,18 @@ def physics_state_size(env: gym.Env) -> int:
 
 
 class SegmentRenderer:
-    """Re-renders stored simulator states with one reused offscreen renderer."""
+    """Re-renders stored simulator states with one reused offscreen renderer.
+
+    Every GL call runs on one dedicated thread: dm_control's EGL context is bound to the thread that first
+    renders with it, while clips are rendered from a background thread that differs between sessions."""
 
     def __init__(self, env_id: str, width: int = 320, height: int = 240, shadows: bool = True):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="segment-renderer")
+        self.executor.submit(self._open, env_id, width, height, shadows).result()
+
+    def _open(self, env_id: str, width: int, height: int, shadows: bool) -> None:
         self.env = make_env(env_id, seed=0, render_mode="rgb_array", width=width, height=height)()
         self.env.reset(seed=0)
         self.fps = self.env.metadata.get("render_fps", 30)
@@ -403,16 +412,23 @@ class SegmentRenderer:
             # Shadows and reflections are most of llvmpipe's work: without them clips render about 3x faster.
             scene = renderer._get_viewer("rgb_array").scn
             scene.flags[mujoco.mjtRndFlag.mjRND_SHADOW] = scene.flags[mujoco.mjtRndFlag.mjRND_REFLECTION] = 0
+        self.env.render()  # create the GL context now, not when the first clip is due
 
-    def render_states(self, states: np.ndarray) -> np.ndarray:
+    def _render(self, states: np.ndarray) -> np.ndarray:
         frames = []
         for state in states:
             set_physics_state(self.env, state)
             frames.append(self.env.render())
         return np.stack(frames)
 
+    def render_states(self, states: np.ndarray) -> np.ndarray:
+        return self.executor.submit(self._render, states).result()
+
     def close(self) -> None:
-        self.env.close()
+        try:
+            self.executor.submit(self.env.close).result()
+        finally:
+            self.executor.shutdown()
 
 
 def write_mp4(path: str | Path, frames: np.ndarray, fps: float) -> None:
@@ -1031,6 +1047,7 @@ class FeedbackClient:
         self.url, self.token, self.retry_seconds, self.timeout = url.rstrip("/"), token, retry_seconds, timeout
 
     def request(self, method: str, path: str, json_body=None, fields=None, files=None, retry: bool = True) -> dict:
+        import http.client
         import urllib.error
         import urllib.request
 
@@ -1054,8 +1071,9 @@ class FeedbackClient:
                         reason = ""
                     raise FeedbackServerError(f"{method} {path}: HTTP {error.code} {reason}") from None
                 failure = f"HTTP {error.code}"
-            except (urllib.error.URLError, ConnectionError, TimeoutError) as error:
-                failure = str(getattr(error, "reason", error))
+            except (urllib.error.URLError, ConnectionError, TimeoutError, http.client.HTTPException, ValueError) as error:
+                # ValueError: a reply cut short by a dying server; every request is idempotent, so re-send it.
+                failure = str(getattr(error, "reason", error)) or type(error).__name__
             if not retry or time.monotonic() + delay > deadline:
                 raise FeedbackServerError(f"feedback server {self.url} unreachable ({failure})")
             time.sleep(delay)
