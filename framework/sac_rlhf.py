@@ -405,20 +405,28 @@ class SegmentRenderer:
         self.env = make_env(env_id, seed=0, render_mode="rgb_array", width=width, height=height)()
         self.env.reset(seed=0)
         self.fps = self.env.metadata.get("render_fps", 30)
-        renderer = getattr(self.env.unwrapped, "mujoco_renderer", None)  # Gymnasium MuJoCo envs
-        if not shadows and renderer is not None:
-            import mujoco
+        import mujoco
 
+        self.physics = getattr(self.env.unwrapped, "physics", None)
+        if self.physics is not None:  # dm_control: a plain MuJoCo renderer on the task's first camera
+            self.mj_renderer = mujoco.Renderer(self.physics.model._model, height, width)
+            scene = self.mj_renderer.scene
+        else:  # Gymnasium MuJoCo: the env's own renderer, which knows its tracking camera
+            scene = self.env.unwrapped.mujoco_renderer._get_viewer("rgb_array").scn
+        if not shadows:
             # Shadows and reflections are most of llvmpipe's work: without them clips render about 3x faster.
-            scene = renderer._get_viewer("rgb_array").scn
             scene.flags[mujoco.mjtRndFlag.mjRND_SHADOW] = scene.flags[mujoco.mjtRndFlag.mjRND_REFLECTION] = 0
-        self.env.render()  # create the GL context now, not when the first clip is due
+        self._render(get_physics_state(self.env)[None])  # create the GL context now, not when the first clip is due
 
     def _render(self, states: np.ndarray) -> np.ndarray:
         frames = []
         for state in states:
             set_physics_state(self.env, state)
-            frames.append(self.env.render())
+            if self.physics is not None:
+                self.mj_renderer.update_scene(self.physics.data._data, camera=0)
+                frames.append(self.mj_renderer.render())
+            else:
+                frames.append(self.env.render())
         return np.stack(frames)
 
     def render_states(self, states: np.ndarray) -> np.ndarray:
@@ -426,6 +434,8 @@ class SegmentRenderer:
 
     def close(self) -> None:
         try:
+            if self.physics is not None:
+                self.executor.submit(self.mj_renderer.close).result()
             self.executor.submit(self.env.close).result()
         finally:
             self.executor.shutdown()
@@ -438,7 +448,14 @@ def write_mp4(path: str | Path, frames: np.ndarray, fps: float) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     height, width = frames.shape[1:3]
     writer = imageio_ffmpeg.write_frames(
-        str(path), (width, height), fps=fps, codec="libx264", pix_fmt_out="yuv420p", macro_block_size=1, quality=7
+        str(path),
+        (width, height),
+        fps=fps,
+        codec="libx264",
+        pix_fmt_out="yuv420p",
+        macro_block_size=1,
+        quality=7,
+        output_params=["-preset", "veryfast"],
     )
     writer.send(None)
     for frame in frames:
