@@ -1,11 +1,15 @@
 """Feedback efficiency: PEBBLE (sac_rlhf.py) with an oracle teacher and a fixed label budget vs SAC
 (sac.py) on the true reward, same seeds and steps, run side by side with one torch thread each.
+With --algorithm ppo: PrefPPO (pref_ppo.py) vs PPO (ppo.py), same label budget and seeds.
 
     python bench/feedback_efficiency.py                      # Hopper-v5, 100k steps, 200 labels, seed 1
     python bench/feedback_efficiency.py --steps 20000 --seeds 1 2
+    python bench/feedback_efficiency.py --algorithm ppo --env-id CartPole-v1 --steps 100000 --explore-steps 0 \\
+        --feedback-frequency 5000 --evaluation-frequency 5000 --seeds 1 2 3 --target-return 400
 
 Reports per seed and as medians: final evaluation return of each, their ratio, the reward model's
-held-out accuracy, and the Pearson correlation of learned and true reward on recent transitions.
+held-out accuracy, and the Pearson correlation of learned and true reward on recent transitions;
+with --target-return, the first evaluation step at which each run reached that mean return.
 Targets (issue 2): ratio >= 0.9, accuracy >= 0.9, correlation >= 0.8.
 """
 
@@ -15,6 +19,30 @@ import time
 from pathlib import Path
 
 from common import REPO, machine_info, print_table, read_summary, start_script, wait_all, write_json
+
+# (preference-based script, its short name, baseline script, its short name) per --algorithm.
+ALGORITHMS = {"sac": ("sac_rlhf.py", "pebble", "sac.py", "sac"), "ppo": ("pref_ppo.py", "pref_ppo", "ppo.py", "ppo")}
+# PPO's defaults are CleanRL's MuJoCo settings; classic-control envs get CleanRL's classic-control ones (both runs).
+PPO_ENV_FLAGS = {
+    "CartPole-v1": [
+        "--num-envs", "4", "--num-steps", "128", "--num-minibatches", "4", "--update-epochs", "4",
+        "--ent-coef", "0.01", "--learning-rate", "2.5e-4",
+    ],
+}  # fmt: skip
+# PrefPPO on CartPole: every step is worth 1, so equally long segments are ties (not arbitrary labels), and
+# segments are shorter than the early episodes.
+PREFERENCE_ENV_FLAGS = {
+    "CartPole-v1": [
+        "--teacher-eps-equal",
+        "0.01",
+        "--segment-length",
+        "25",
+        "--max-augmentation-offset",
+        "5",
+        "--min-augmentation-offset",
+        "2",
+    ],
+}
 
 
 def pebble_flags(args, seed: int, run_name: str) -> list[str]:
@@ -30,27 +58,44 @@ def pebble_flags(args, seed: int, run_name: str) -> list[str]:
     ]  # fmt: skip
 
 
+def first_step_reaching(workdir: Path, run_name: str, target: float) -> int | None:
+    """The first evaluation step whose mean return is >= target (None: never)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(str(workdir / "runs" / run_name))
+    accumulator.Reload()
+    return next((e.step for e in accumulator.Scalars("eval/mean_return") if e.value >= target), None)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--algorithm", choices=sorted(ALGORITHMS), default="sac", help="sac: PEBBLE vs SAC; ppo: PrefPPO vs PPO")
     parser.add_argument("--env-id", default="Hopper-v5")
     parser.add_argument("--steps", type=int, default=100_000)
-    parser.add_argument("--labels", type=int, default=200, help="label budget of the PEBBLE run")
+    parser.add_argument("--labels", type=int, default=200, help="label budget of the preference-based run")
     parser.add_argument("--sessions", type=int, default=10, help="feedback sessions the budget is spread over")
     parser.add_argument("--feedback-frequency", type=int, default=5000)
     parser.add_argument("--explore-steps", type=int, default=10_000)
     parser.add_argument("--evaluation-frequency", type=int, default=10_000)
     parser.add_argument("--evaluation-episodes", type=int, default=10)
+    parser.add_argument("--target-return", type=float, default=None, help="also report the first evaluation step reaching this return")
     parser.add_argument("--seeds", type=int, nargs="+", default=[1])
     parser.add_argument("--workdir", type=Path, default=REPO / "bench" / "workdir")
-    parser.add_argument("--output", type=Path, default=REPO / "bench" / "results" / "feedback_efficiency.json")
+    parser.add_argument("--output", type=Path, default=None, help="default: bench/results/feedback_efficiency[_ppo].json")
     args = parser.parse_args()
+    if args.output is None:
+        suffix = "" if args.algorithm == "sac" else f"_{args.algorithm}"
+        args.output = REPO / "bench" / "results" / f"feedback_efficiency{suffix}.json"
+    rlhf_script, rlhf, base_script, base = ALGORITHMS[args.algorithm]
+    extra = PPO_ENV_FLAGS.get(args.env_id, []) if args.algorithm == "ppo" else []
+    rlhf_extra = PREFERENCE_ENV_FLAGS.get(args.env_id, []) if args.algorithm == "ppo" else []
 
     stamp = int(time.time())
     rows = []
     for seed in args.seeds:
         names = {
-            "pebble": f"bench_pebble_{args.env_id.replace('/', '_')}_{seed}_{stamp}",
-            "sac": f"bench_sac_{args.env_id.replace('/', '_')}_{seed}_{stamp}",
+            rlhf: f"bench_{rlhf}_{args.env_id.replace('/', '_')}_{seed}_{stamp}",
+            base: f"bench_{base}_{args.env_id.replace('/', '_')}_{seed}_{stamp}",
         }
         common = [
             "--env-id",
@@ -66,38 +111,31 @@ def main() -> None:
         ]
         processes = [
             start_script(
-                "sac_rlhf.py", pebble_flags(args, seed, names["pebble"]), args.workdir, log=args.workdir / f"{names['pebble']}.log"
+                rlhf_script,
+                [*pebble_flags(args, seed, names[rlhf]), *extra, *rlhf_extra],
+                args.workdir,
+                log=args.workdir / f"{names[rlhf]}.log",
             ),
-            start_script("sac.py", [*common, "--run-name", names["sac"]], args.workdir, log=args.workdir / f"{names['sac']}.log"),
+            start_script(base_script, [*common, *extra, "--run-name", names[base]], args.workdir, log=args.workdir / f"{names[base]}.log"),
         ]
         wait_all(processes, list(names.values()))
-        pebble, sac = read_summary(args.workdir, names["pebble"]), read_summary(args.workdir, names["sac"])
+        preference, baseline = read_summary(args.workdir, names[rlhf]), read_summary(args.workdir, names[base])
         rows.append({
-            "env_id": args.env_id, "seed": seed, "steps": args.steps, "labels": pebble["labels_obtained"],
-            "pebble_return": pebble["final_eval_return"], "sac_return": sac["final_eval_return"],
-            "ratio": pebble["final_eval_return"] / sac["final_eval_return"],
-            "heldout_accuracy": pebble["heldout_accuracy"], "train_accuracy": pebble["train_accuracy"],
-            "reward_correlation": pebble["reward_correlation"], "pebble_sps": pebble["sps"], "sac_sps": sac["sps"],
+            "env_id": args.env_id, "seed": seed, "steps": args.steps, "labels": preference["labels_obtained"],
+            f"{rlhf}_return": preference["final_eval_return"], f"{base}_return": baseline["final_eval_return"],
+            "ratio": preference["final_eval_return"] / baseline["final_eval_return"],
+            "heldout_accuracy": preference["heldout_accuracy"], "train_accuracy": preference["train_accuracy"],
+            "reward_correlation": preference["reward_correlation"], f"{rlhf}_sps": preference["sps"], f"{base}_sps": baseline["sps"],
         })  # fmt: skip
-    median = {
-        key: statistics.median(r[key] for r in rows)
-        for key in ("pebble_return", "sac_return", "ratio", "heldout_accuracy", "reward_correlation", "pebble_sps", "sac_sps")
-    }
-    print_table(
-        [*rows, {"env_id": "median", **median}],
-        [
-            "env_id",
-            "seed",
-            "labels",
-            "pebble_return",
-            "sac_return",
-            "ratio",
-            "heldout_accuracy",
-            "reward_correlation",
-            "pebble_sps",
-            "sac_sps",
-        ],
-    )
+        if args.target_return is not None:
+            for name in (rlhf, base):
+                rows[-1][f"{name}_steps_to_target"] = first_step_reaching(args.workdir, names[name], args.target_return)
+    keys = [f"{rlhf}_return", f"{base}_return", "ratio", "heldout_accuracy", "reward_correlation", f"{rlhf}_sps", f"{base}_sps"]
+    median = {key: statistics.median(r[key] for r in rows) for key in keys}
+    columns = ["env_id", "seed", "labels", *keys]
+    if args.target_return is not None:
+        columns += [f"{rlhf}_steps_to_target", f"{base}_steps_to_target"]
+    print_table([*rows, {"env_id": "median", **median}], columns)
     write_json(
         args.output,
         {

@@ -1,4 +1,4 @@
-# Evaluate a trained policy: N episodes with deterministic actions on distinct seeds, mean ± std of
+# Evaluate a trained policy (sac_rlhf.py, sac.py, pref_ppo.py or ppo.py): N episodes with deterministic actions on distinct seeds, mean ± std of
 # the environment's true return, and optionally an mp4 per episode.
 #   python framework/evaluation.py --path-to-model models/<run>/latest --env-id Hopper-v5
 import json
@@ -43,6 +43,13 @@ def load_actor(path: str | Path, env_id: str | None = None) -> tuple[Actor, str]
     if not path.is_file():
         raise ConfigError(f"--path-to-model {path} does not exist")
     checkpoint = load_checkpoint(path)
+    if checkpoint.get("algorithm") in ("pref_ppo", "ppo"):  # PPO policy, with its observation normalisation
+        import pref_ppo
+
+        try:
+            return pref_ppo.load_policy(path, env_id)
+        except pref_ppo.ConfigError as error:
+            raise ConfigError(str(error)) from None
     train_args = checkpoint["args"]
     env_id = env_id or train_args["env_id"]
     check_env_id(env_id)
@@ -62,10 +69,15 @@ def main(args: Args) -> dict:
     if args.episodes < 1:
         raise ConfigError(f"--episodes must be >= 1, got {args.episodes}")
     actor, env_id = load_actor(args.path_to_model, args.env_id)
+    run_episodes = evaluate_policy
+    if not isinstance(actor, Actor):  # a pref_ppo.PPOPolicy (continuous or discrete actions)
+        import pref_ppo
+
+        run_episodes = pref_ppo.evaluate_policy
     returns = []
     for episode in range(args.episodes):
         video = Path(args.video_dir) / f"episode_{episode}.mp4" if args.capture_video else None
-        returns += evaluate_policy(actor, env_id, 1, args.seed + episode, torch.device("cpu"), video, args.video_width, args.video_height)
+        returns += run_episodes(actor, env_id, 1, args.seed + episode, torch.device("cpu"), video, args.video_width, args.video_height)
     result = {
         "env_id": env_id,
         "episodes": args.episodes,

@@ -278,6 +278,8 @@ def validate_ppo_args(args: PPOArgs) -> None:
     check_env_id(args.env_id)
     if args.capture_video:
         check_can_render(args.env_id, "--capture-video")
+    if args.render_mode is not None:
+        check_can_render(args.env_id, f"--render-mode {args.render_mode}")
 
 
 def validate_args(args: Args) -> None:
@@ -444,7 +446,9 @@ def get_physics_state(env: gym.Env) -> np.ndarray:
     if getattr(unwrapped, "state", None) is not None:  # classic control keeps its whole state in `state`
         return np.array(unwrapped.state, dtype=np.float64).ravel()
     name = unwrapped.spec.id if unwrapped.spec is not None else type(unwrapped).__name__
-    raise ConfigError(f"--env-id {name} exposes no simulator state (MuJoCo, dm_control or a classic-control `state`) to store segments with")
+    raise ConfigError(
+        f"--env-id {name} exposes no simulator state (MuJoCo, dm_control or a classic-control `state`) to store segments with"
+    )
 
 
 def set_physics_state(env: gym.Env, state: np.ndarray) -> None:
@@ -460,6 +464,8 @@ def set_physics_state(env: gym.Env, state: np.ndarray) -> None:
         mujoco.mj_forward(unwrapped.model, unwrapped.data)
         return
     unwrapped.state = np.array(state, dtype=np.float64)
+    if hasattr(unwrapped, "steps_beyond_terminated"):  # CartPole: a stored state is never past its episode's end
+        unwrapped.steps_beyond_terminated = None
 
 
 def physics_state_size(env: gym.Env) -> int:
@@ -546,6 +552,19 @@ def _time_limit(env: gym.Env):
     return env
 
 
+def mujoco_integration_state(env: gym.Env) -> np.ndarray | None:
+    """Gymnasium MuJoCo envs: the full physics state plus what the next step depends on beyond it (the
+    constraint solver's warm start, controls), so that a resumed run continues bit for bit."""
+    import mujoco
+
+    unwrapped = env.unwrapped
+    if hasattr(unwrapped, "physics") or not hasattr(unwrapped, "data"):
+        return None
+    state = np.empty(mujoco.mj_stateSize(unwrapped.model, mujoco.mjtState.mjSTATE_INTEGRATION), dtype=np.float64)
+    mujoco.mj_getState(unwrapped.model, unwrapped.data, state, mujoco.mjtState.mjSTATE_INTEGRATION)
+    return state
+
+
 def capture_env_state(envs: gym.vector.SyncVectorEnv, obs: np.ndarray) -> dict:
     """Everything needed to continue the training environments mid-episode after a resume."""
     sub_envs = []
@@ -553,6 +572,7 @@ def capture_env_state(envs: gym.vector.SyncVectorEnv, obs: np.ndarray) -> dict:
         sub_envs.append(
             {
                 "physics": get_physics_state(env),
+                "integration": mujoco_integration_state(env),
                 "elapsed_steps": getattr(_time_limit(env), "_elapsed_steps", None),
                 "np_random": env.unwrapped.np_random.bit_generator.state,
                 "steps_beyond_terminated": getattr(env.unwrapped, "steps_beyond_terminated", None),  # classic control
@@ -564,6 +584,10 @@ def capture_env_state(envs: gym.vector.SyncVectorEnv, obs: np.ndarray) -> dict:
 def restore_env_state(envs: gym.vector.SyncVectorEnv, state: dict) -> np.ndarray:
     for env, saved in zip(envs.envs, state["envs"]):
         set_physics_state(env, saved["physics"])
+        if saved.get("integration") is not None:
+            import mujoco
+
+            mujoco.mj_setState(env.unwrapped.model, env.unwrapped.data, saved["integration"], mujoco.mjtState.mjSTATE_INTEGRATION)
         if saved["elapsed_steps"] is not None:
             _time_limit(env)._elapsed_steps = saved["elapsed_steps"]
         env.unwrapped.np_random.bit_generator.state = saved["np_random"]
@@ -1030,10 +1054,11 @@ def select_queries(
     idx, mask = rb.sample_segment_pairs(pool, segment_length, rng)
     if strategy == "uniform":
         return idx, mask
+    was_training = model.training
     model.eval()
     segments = torch.as_tensor(rb.obs_actions(idx), device=device)
     probs = preference_probabilities(model, segments, torch.as_tensor(mask, device=device, dtype=torch.float32))
-    model.train()
+    model.train(was_training)
     scores = disagreement_scores(probs) if strategy == "disagree" else entropy_scores(probs)
     top = torch.topk(scores, num_queries).indices.cpu().numpy()
     return idx[top], mask[top]
@@ -1449,7 +1474,13 @@ def add_rollout_to_buffer(rb: ReplayBuffer, rollout: "RolloutBuffer") -> None:
 
 
 def explore_rewards(
-    rollout: "RolloutBuffer", rb: ReplayBuffer, intrinsic_rms: RunningMeanStd, args: Args, rng: np.random.Generator, device, chunk: int = 4096
+    rollout: "RolloutBuffer",
+    rb: ReplayBuffer,
+    intrinsic_rms: RunningMeanStd,
+    args: Args,
+    rng: np.random.Generator,
+    device,
+    chunk: int = 4096,
 ) -> None:
     """PEBBLE's intrinsic reward for a rollout: the distance from each reached state to its k-th nearest
     neighbour among a random sample of replay-buffer states (this rollout's included), over its running std."""
@@ -1945,7 +1976,9 @@ def main(args: Args) -> dict:
 
     def iteration_snapshot() -> dict:
         """The state an iteration starts from. Interrupted mid-iteration, a run saves this (with the networks and
-        labels as they are), so that the resumed run collects the interrupted rollout again."""
+        labels as they are), so that the resumed run collects the interrupted rollout again: exactly so when the
+        interruption came before the iteration's PPO update changed the agent and before a feedback session began
+        (after that, the labels obtained are kept and the session is not asked again with the same pairs)."""
         return {
             "loop": {"global_step": loop.global_step, "iteration": loop.iteration}, "episodes": episodes.state_dict(),
             "obs_normalizer": obs_rms.state_dict(), "return_normalizer": return_rms.state_dict(),
@@ -1956,8 +1989,10 @@ def main(args: Args) -> dict:
     def interrupted_state(snapshot: dict) -> dict:
         state = checkpoint_state()
         state["loop"].update(snapshot["loop"])
-        for key in ("episodes", "obs_normalizer", "return_normalizer", "intrinsic_rms", "rng", "torch_rng", "env"):
+        for key in ("episodes", "obs_normalizer", "return_normalizer", "intrinsic_rms", "torch_rng", "env"):
             state[key] = snapshot[key]
+        if not snapshot.get("session_started"):  # else new draws: the resumed session must not pick the same pairs
+            state["rng"] = snapshot["rng"]
         rb.pos, rb.full = snapshot["rb_position"]  # the interrupted rollout's transitions are collected again
         return state
 
@@ -2070,6 +2105,8 @@ def main(args: Args) -> dict:
     def feedback_session(num_queries: int) -> None:
         """Select pairs, ask the teacher, fit the reward model, relabel the replay buffer."""
         session_start = time.time()
+        if snapshot is not None:
+            snapshot["session_started"] = True
         segments, labels, annotators = ask_for_labels(num_queries)
         record_labels(segments, labels, annotators)
         loop.sessions_done += 1
@@ -2167,7 +2204,9 @@ def main(args: Args) -> dict:
             writer.add_scalar("charts/SPS", int((step - start_step) / (time.time() - start_time)), step)
             snapshot = None  # the iteration is complete
             if progress is not None:
-                progress.set_postfix(ret=f"{last_return:.0f}", eval=f"{loop.last_eval_return:.0f}", labels=loop.labels_obtained, refresh=False)
+                progress.set_postfix(
+                    ret=f"{last_return:.0f}", eval=f"{loop.last_eval_return:.0f}", labels=loop.labels_obtained, refresh=False
+                )
                 progress.update(step - progress.n)
 
             # --- evaluate, checkpoint ---
@@ -2179,7 +2218,7 @@ def main(args: Args) -> dict:
                 save_checkpoint(model_dir / "latest", checkpoint_state(), rb)
     except KeyboardInterrupt:
         interrupted = True
-        print(f"\ninterrupted at step {loop.global_step}: saving models/{run_name}/latest")
+        print(f"\ninterrupted at step {loop.global_step}: saving models/{run_name}/latest (from the iteration's start if mid-iteration)")
     finally:
         wall = time.time() - start_time  # training time: periodic evaluations included, the final one not
         save_checkpoint(model_dir / "latest", checkpoint_state() if snapshot is None else interrupted_state(snapshot), rb)

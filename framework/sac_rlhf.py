@@ -284,6 +284,11 @@ def validate_args(args: Args) -> None:
     need(args.unlabeled_batch_ratio >= 0, f"--unlabeled-batch-ratio must be >= 0, got {args.unlabeled_batch_ratio}")
     need(args.explore_knn_k >= 1, f"--explore-knn-k must be >= 1, got {args.explore_knn_k}")
     need(
+        args.explore_knn_sample_size >= args.explore_knn_k,
+        f"--explore-knn-sample-size must be >= --explore-knn-k ({args.explore_knn_k}), got {args.explore_knn_sample_size}",
+    )
+    need(args.relabel_chunk_size >= 1, f"--relabel-chunk-size must be >= 1, got {args.relabel_chunk_size}")
+    need(
         args.rune_beta >= 0 and 0 <= args.rune_beta_decay < 1,
         f"--rune-beta must be >= 0 and --rune-beta-decay in [0, 1), got {args.rune_beta} and {args.rune_beta_decay}",
     )
@@ -463,6 +468,19 @@ def write_mp4(path: str | Path, frames: np.ndarray, fps: float) -> None:
     writer.close()
 
 
+def mujoco_integration_state(env: gym.Env) -> np.ndarray | None:
+    """Gymnasium MuJoCo envs: the full physics state plus what the next step depends on beyond it (the
+    constraint solver's warm start, controls), so that a resumed run continues bit for bit."""
+    import mujoco
+
+    unwrapped = env.unwrapped
+    if hasattr(unwrapped, "physics") or not hasattr(unwrapped, "data"):
+        return None
+    state = np.empty(mujoco.mj_stateSize(unwrapped.model, mujoco.mjtState.mjSTATE_INTEGRATION), dtype=np.float64)
+    mujoco.mj_getState(unwrapped.model, unwrapped.data, state, mujoco.mjtState.mjSTATE_INTEGRATION)
+    return state
+
+
 def capture_env_state(envs: gym.vector.SyncVectorEnv, obs: np.ndarray) -> dict:
     """Everything needed to continue the training environment mid-episode after a resume."""
     env = envs.envs[0]
@@ -471,6 +489,7 @@ def capture_env_state(envs: gym.vector.SyncVectorEnv, obs: np.ndarray) -> dict:
         time_limit = time_limit.env
     return {
         "physics": get_physics_state(env),
+        "integration": mujoco_integration_state(env),
         "elapsed_steps": getattr(time_limit, "_elapsed_steps", None),
         "np_random": env.unwrapped.np_random.bit_generator.state,
         "autoreset": envs._autoreset_envs.copy(),  # Gymnasium's next-step autoreset flags
@@ -481,6 +500,10 @@ def capture_env_state(envs: gym.vector.SyncVectorEnv, obs: np.ndarray) -> dict:
 def restore_env_state(envs: gym.vector.SyncVectorEnv, state: dict) -> np.ndarray:
     env = envs.envs[0]
     set_physics_state(env, state["physics"])
+    if state.get("integration") is not None:
+        import mujoco
+
+        mujoco.mj_setState(env.unwrapped.model, env.unwrapped.data, state["integration"], mujoco.mjtState.mjSTATE_INTEGRATION)
     time_limit = env
     while not isinstance(time_limit, gym.wrappers.TimeLimit) and hasattr(time_limit, "env"):
         time_limit = time_limit.env
@@ -986,10 +1009,11 @@ def select_queries(
     idx, mask = rb.sample_segment_pairs(pool, segment_length, rng)
     if strategy == "uniform":
         return idx, mask
+    was_training = model.training
     model.eval()
     segments = torch.as_tensor(rb.obs_actions(idx), device=device)
     probs = preference_probabilities(model, segments, torch.as_tensor(mask, device=device, dtype=torch.float32))
-    model.train()
+    model.train(was_training)
     scores = disagreement_scores(probs) if strategy == "disagree" else entropy_scores(probs)
     top = torch.topk(scores, num_queries).indices.cpu().numpy()
     return idx[top], mask[top]

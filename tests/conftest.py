@@ -16,7 +16,7 @@ if str(FRAMEWORK_DIR) not in sys.path:
 
 # The single-file algorithm scripts that carry their own copy of the shared components
 # (reward ensemble, teacher, samplers, SURF, RUNE...). Adding a script is one line.
-ALGORITHM_SCRIPTS = ["sac_rlhf"]
+ALGORITHM_SCRIPTS = ["sac_rlhf", "pref_ppo"]
 
 
 @pytest.fixture(params=ALGORITHM_SCRIPTS)
