@@ -90,7 +90,7 @@ def main() -> None:
     extra = PPO_ENV_FLAGS.get(args.env_id, []) if args.algorithm == "ppo" else []
     rlhf_extra = PREFERENCE_ENV_FLAGS.get(args.env_id, []) if args.algorithm == "ppo" else []
 
-    stamp = int(time.time())
+    stamp, machine = int(time.time()), machine_info()  # the commit the runs start from
     rows = []
     for seed in args.seeds:
         names = {
@@ -140,7 +140,7 @@ def main() -> None:
         args.output,
         {
             "benchmark": "feedback_efficiency",
-            "machine": machine_info(),
+            "machine": machine,
             "settings": vars(args) | {"workdir": str(args.workdir), "output": str(args.output)},
             "rows": rows,
             "median": median,

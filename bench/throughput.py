@@ -38,7 +38,7 @@ def main() -> None:
         "--teacher-feedback-total-queries", str(args.queries_per_session * sessions), "--teacher-feedback-schedule", "linear",
         "--checkpoint-frequency", "0",
     ]  # fmt: skip
-    stamp, rows = int(time.time()), []
+    stamp, rows, machine = int(time.time()), [], machine_info()  # the commit the runs start from
     for round_ in range(args.rounds):
         names = [f"throughput_pebble_{stamp}_{round_}", f"throughput_sac_{stamp}_{round_}"]
         processes = [
@@ -55,7 +55,7 @@ def main() -> None:
         args.output,
         {
             "benchmark": "throughput",
-            "machine": machine_info(),
+            "machine": machine,
             "settings": vars(args) | {"workdir": str(args.workdir), "output": str(args.output)},
             "rows": rows,
             "median": median,
