@@ -14,7 +14,7 @@ import gymnasium as gym
 import numpy as np
 import pytest
 import torch
-from test_end_to_end import scalars
+from test_end_to_end import final_state, scalars
 
 import pref_ppo
 
@@ -433,13 +433,6 @@ def test_hopper_run_writes_scalars_checkpoint_and_feedback(chdir_tmp):
         _, reward, _, _, _ = env.step(rb.actions[i])
         assert reward == pytest.approx(float(rb.true_rewards[i]), abs=1e-5)
     env.close()
-
-
-def final_state(run_name: str) -> dict:
-    checkpoint = torch.load(f"models/{run_name}/latest/checkpoint.pt", weights_only=False)
-    with np.load(f"models/{run_name}/latest/replay_buffer.npz") as buffer:
-        replay = {k: buffer[k].copy() for k in buffer.files}
-    return {"checkpoint": checkpoint, "replay": replay}
 
 
 def assert_same_training(a: dict, b: dict) -> None:
