@@ -2,7 +2,6 @@
 # pref_ppo.py (agent, rollout collection, observation and return normalisation, GAE, the update, evaluation and
 # checkpoints, imported from there) so that a comparison measures learning from preferences and nothing else.
 import json
-import random
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -29,7 +28,9 @@ from pref_ppo import (  # noqa: E402
     make_vector_env,
     reward_action_dim,
     save_checkpoint,
+    seed_everything,
     set_learning_rate,
+    start_logging,
     train_on_rollout,
     validate_ppo_args,
 )
@@ -48,28 +49,9 @@ def main(args: Args) -> dict:
     envs = make_vector_env(args)
     run_name = args.run_name or default_run_name(args)
     run_dir, model_dir, video_dir = Path("runs") / run_name, Path("models") / run_name, Path("videos") / run_name
-    run_dir.mkdir(parents=True, exist_ok=True)
-    from torch.utils.tensorboard import SummaryWriter
+    writer = start_logging(args, run_name, run_dir)
 
-    if args.track:
-        import wandb
-
-        wandb.init(
-            project=args.wandb_project_name,
-            entity=args.wandb_entity,
-            sync_tensorboard=True,
-            config=vars(args),
-            name=run_name,
-            dir=str(run_dir),
-        )
-    writer = SummaryWriter(str(run_dir))
-    (run_dir / "args.json").write_text(json.dumps(asdict(args), indent=2))
-
-    random.seed(args.seed)
-    torch.manual_seed(args.seed)
-    torch.backends.cudnn.deterministic = args.torch_deterministic
-    device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
-    rng = np.random.default_rng(args.seed)
+    device, rng = seed_everything(args)
 
     obs, _ = envs.reset(seed=args.seed)
     obs_dim = int(np.prod(envs.single_observation_space.shape))

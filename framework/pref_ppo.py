@@ -1882,6 +1882,39 @@ class LoopState:
     extra: dict = field(default_factory=dict)
 
 
+def start_logging(args, run_name: str, run_dir: Path):
+    """TensorBoard (plus W&B with --track) for a run; its settings also go to runs/<run>/args.json."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if args.track:
+        import wandb
+
+        wandb.init(
+            project=args.wandb_project_name,
+            entity=args.wandb_entity,
+            sync_tensorboard=True,
+            config=vars(args),
+            name=run_name,
+            save_code=True,
+            dir=str(run_dir),
+        )
+    writer = SummaryWriter(str(run_dir))
+    table = "\n".join(f"|{key}|{value}|" for key, value in vars(args).items())
+    writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
+    (run_dir / "args.json").write_text(json.dumps(asdict(args), indent=2))
+    return writer
+
+
+def seed_everything(args) -> tuple[torch.device, np.random.Generator]:
+    """Seeds Python and torch; returns the device and the numpy generator of the run."""
+    random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    torch.backends.cudnn.deterministic = args.torch_deterministic
+    device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
+    return device, np.random.default_rng(args.seed)
+
+
 def default_run_name(args: PPOArgs) -> str:
     return f"{args.env_id.replace('/', '_')}__{args.exp_name}__{args.seed}__{int(time.time())}"
 
@@ -1904,31 +1937,9 @@ def main(args: Args) -> dict:
         raise
     action_input_dim = reward_action_dim(action_space)
 
-    from torch.utils.tensorboard import SummaryWriter
+    writer = start_logging(args, run_name, run_dir)
 
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if args.track:
-        import wandb
-
-        wandb.init(
-            project=args.wandb_project_name,
-            entity=args.wandb_entity,
-            sync_tensorboard=True,
-            config=vars(args),
-            name=run_name,
-            save_code=True,
-            dir=str(run_dir),
-        )
-    writer = SummaryWriter(str(run_dir))
-    table = "\n".join(f"|{key}|{value}|" for key, value in vars(args).items())
-    writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
-    (run_dir / "args.json").write_text(json.dumps(asdict(args), indent=2))
-
-    random.seed(args.seed)
-    torch.manual_seed(args.seed)
-    torch.backends.cudnn.deterministic = args.torch_deterministic
-    device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
-    rng = np.random.default_rng(args.seed)  # minibatches, segment and k-NN sampling, held-out split
+    device, rng = seed_everything(args)  # rng: minibatches, segment and k-NN sampling, held-out split
 
     agent = Agent(obs_dim, action_space, args.actor_hidden_dim, args.actor_hidden_layers, args.critic_hidden_dim, args.critic_hidden_layers)
     agent = agent.to(device)

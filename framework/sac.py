@@ -2,7 +2,6 @@
 # It is the SAC of sac_rlhf.py (same networks, update, replay buffer, evaluation and checkpoints,
 # imported from there) so that a comparison measures learning from preferences and nothing else.
 import json
-import random
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -19,11 +18,14 @@ from sac_rlhf import (  # noqa: E402
     ReplayBuffer,
     SACAgent,
     SACArgs,
+    default_run_name,
     evaluate_policy,
     get_physics_state,
     make_env,
     physics_state_size,
     save_checkpoint,
+    seed_everything,
+    start_logging,
     validate_sac_args,
 )
 
@@ -42,30 +44,11 @@ def main(args: Args) -> dict:
         [make_env(args.env_id, args.seed, args.render_mode, args.video_width, args.video_height)],
         autoreset_mode=gym.vector.AutoresetMode.NEXT_STEP,
     )
-    run_name = args.run_name or f"{args.env_id.replace('/', '_')}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    run_name = args.run_name or default_run_name(args)
     run_dir, model_dir, video_dir = Path("runs") / run_name, Path("models") / run_name, Path("videos") / run_name
-    run_dir.mkdir(parents=True, exist_ok=True)
-    from torch.utils.tensorboard import SummaryWriter
+    writer = start_logging(args, run_name, run_dir)
 
-    if args.track:
-        import wandb
-
-        wandb.init(
-            project=args.wandb_project_name,
-            entity=args.wandb_entity,
-            sync_tensorboard=True,
-            config=vars(args),
-            name=run_name,
-            dir=str(run_dir),
-        )
-    writer = SummaryWriter(str(run_dir))
-    (run_dir / "args.json").write_text(json.dumps(asdict(args), indent=2))
-
-    random.seed(args.seed)
-    torch.manual_seed(args.seed)
-    torch.backends.cudnn.deterministic = args.torch_deterministic
-    device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
-    rng = np.random.default_rng(args.seed)
+    device, rng = seed_everything(args)
 
     obs, _ = envs.reset(seed=args.seed)
     obs_dim = int(np.prod(envs.single_observation_space.shape))

@@ -1457,22 +1457,8 @@ class LoopState:
     extra: dict = field(default_factory=dict)
 
 
-def default_run_name(args: Args) -> str:
-    return f"{args.env_id.replace('/', '_')}__{args.exp_name}__{args.seed}__{int(time.time())}"
-
-
-def main(args: Args) -> dict:
-    validate_args(args)
-    resume_state = load_checkpoint(Path(args.resume) / "checkpoint.pt") if args.resume else None
-    run_name = args.run_name or (resume_state["run_name"] if resume_state else default_run_name(args))
-    run_dir, model_dir, video_dir = Path("runs") / run_name, Path("models") / run_name, Path("videos") / run_name
-
-    # Built before anything is written, so a bad env id or action space fails cleanly.
-    envs = gym.vector.SyncVectorEnv(
-        [make_env(args.env_id, args.seed, args.render_mode, args.video_width, args.video_height)],
-        autoreset_mode=gym.vector.AutoresetMode.NEXT_STEP,
-    )
-
+def start_logging(args, run_name: str, run_dir: Path):
+    """TensorBoard (plus W&B with --track) for a run; its settings also go to runs/<run>/args.json."""
     from torch.utils.tensorboard import SummaryWriter
 
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -1492,12 +1478,37 @@ def main(args: Args) -> dict:
     table = "\n".join(f"|{key}|{value}|" for key, value in vars(args).items())
     writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
     (run_dir / "args.json").write_text(json.dumps(asdict(args), indent=2))
+    return writer
 
+
+def seed_everything(args) -> tuple[torch.device, np.random.Generator]:
+    """Seeds Python and torch; returns the device and the numpy generator of the run."""
     random.seed(args.seed)
     torch.manual_seed(args.seed)
     torch.backends.cudnn.deterministic = args.torch_deterministic
     device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
-    rng = np.random.default_rng(args.seed)  # replay and segment sampling, random actions, held-out split
+    return device, np.random.default_rng(args.seed)
+
+
+def default_run_name(args: Args) -> str:
+    return f"{args.env_id.replace('/', '_')}__{args.exp_name}__{args.seed}__{int(time.time())}"
+
+
+def main(args: Args) -> dict:
+    validate_args(args)
+    resume_state = load_checkpoint(Path(args.resume) / "checkpoint.pt") if args.resume else None
+    run_name = args.run_name or (resume_state["run_name"] if resume_state else default_run_name(args))
+    run_dir, model_dir, video_dir = Path("runs") / run_name, Path("models") / run_name, Path("videos") / run_name
+
+    # Built before anything is written, so a bad env id or action space fails cleanly.
+    envs = gym.vector.SyncVectorEnv(
+        [make_env(args.env_id, args.seed, args.render_mode, args.video_width, args.video_height)],
+        autoreset_mode=gym.vector.AutoresetMode.NEXT_STEP,
+    )
+
+    writer = start_logging(args, run_name, run_dir)
+
+    device, rng = seed_everything(args)  # rng: replay and segment sampling, random actions, held-out split
 
     obs, _ = envs.reset(seed=args.seed)
     obs_dim = int(np.prod(envs.single_observation_space.shape))
