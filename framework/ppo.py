@@ -4,6 +4,7 @@
 import json
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -44,7 +45,9 @@ class Args(PPOArgs):
     """the name of this experiment (part of the run name)"""
 
 
-def main(args: Args) -> dict:
+def main(args: Args, on_evaluation: Callable[[int, float], None] | None = None) -> dict:
+    """Train and return the run's summary. `on_evaluation(step, mean_return)`, if given, is called after every
+    evaluation (a sweep uses it to report intermediate results and prune hopeless trials: what it raises ends the run)."""
     validate_ppo_args(args)
     envs = make_vector_env(args)
     run_name = args.run_name or default_run_name(args)
@@ -87,6 +90,8 @@ def main(args: Args) -> dict:
         )
         writer.add_scalar("eval/mean_return", float(np.mean(returns)), step)
         writer.add_scalar("eval/std_return", float(np.std(returns)), step)
+        if on_evaluation is not None:
+            on_evaluation(step, float(np.mean(returns)))
         return float(np.mean(returns))
 
     for iteration in range(1, num_iterations + 1):

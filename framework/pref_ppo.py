@@ -22,6 +22,7 @@ import os
 import random
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -1919,7 +1920,9 @@ def default_run_name(args: PPOArgs) -> str:
     return f"{args.env_id.replace('/', '_')}__{args.exp_name}__{args.seed}__{int(time.time())}"
 
 
-def main(args: Args) -> dict:
+def main(args: Args, on_evaluation: Callable[[int, float], None] | None = None) -> dict:
+    """Train and return the run's summary. `on_evaluation(step, mean_return)`, if given, is called after every
+    evaluation (a sweep uses it to report intermediate results and prune hopeless trials: what it raises ends the run)."""
     validate_args(args)
     resume_state = load_checkpoint(Path(args.resume) / "checkpoint.pt") if args.resume else None
     run_name = args.run_name or (resume_state["run_name"] if resume_state else default_run_name(args))
@@ -2158,6 +2161,8 @@ def main(args: Args) -> dict:
             import wandb
 
             wandb.log({"eval/video": wandb.Video(str(video), format="mp4")}, step=step)
+        if on_evaluation is not None:
+            on_evaluation(step, loop.last_eval_return)
 
     start_time, start_step = time.time(), loop.global_step
     progress = None

@@ -4,6 +4,7 @@
 import json
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -38,7 +39,9 @@ class Args(SACArgs):
     """the name of this experiment (part of the run name)"""
 
 
-def main(args: Args) -> dict:
+def main(args: Args, on_evaluation: Callable[[int, float], None] | None = None) -> dict:
+    """Train and return the run's summary. `on_evaluation(step, mean_return)`, if given, is called after every
+    evaluation (a sweep uses it to report intermediate results and prune hopeless trials: what it raises ends the run)."""
     validate_sac_args(args)
     envs = gym.vector.SyncVectorEnv(
         [make_env(args.env_id, args.seed, args.render_mode, args.video_width, args.video_height)],
@@ -71,6 +74,8 @@ def main(args: Args) -> dict:
         )
         writer.add_scalar("eval/mean_return", float(np.mean(returns)), step)
         writer.add_scalar("eval/std_return", float(np.std(returns)), step)
+        if on_evaluation is not None:
+            on_evaluation(step, float(np.mean(returns)))
         return float(np.mean(returns))
 
     for global_step in range(args.total_timesteps):
