@@ -34,6 +34,9 @@ class Args:
     """height of the video frames"""
     output_json: str | None = None
     """also write the returns to this JSON file"""
+    terminate_when_unhealthy: bool | None = None
+    """end episodes when the robot falls (default: as the model was trained; a run with --no-terminate-when-unhealthy
+    is evaluated without that termination)"""
 
 
 def load_actor(path: str | Path, env_id: str | None = None) -> tuple[Actor, str]:
@@ -69,6 +72,11 @@ def main(args: Args) -> dict:
     if args.episodes < 1:
         raise ConfigError(f"--episodes must be >= 1, got {args.episodes}")
     actor, env_id = load_actor(args.path_to_model, args.env_id)
+    terminate_when_unhealthy = args.terminate_when_unhealthy
+    if terminate_when_unhealthy is None:
+        path = Path(args.path_to_model)
+        trained_with = load_checkpoint(path / "checkpoint.pt" if path.is_dir() else path)["args"]
+        terminate_when_unhealthy = trained_with.get("terminate_when_unhealthy", True) or env_id != trained_with["env_id"]
     run_episodes = evaluate_policy
     if not isinstance(actor, Actor):  # a pref_ppo.PPOPolicy (continuous or discrete actions)
         import pref_ppo
@@ -77,7 +85,9 @@ def main(args: Args) -> dict:
     returns = []
     for episode in range(args.episodes):
         video = Path(args.video_dir) / f"episode_{episode}.mp4" if args.capture_video else None
-        returns += run_episodes(actor, env_id, 1, args.seed + episode, torch.device("cpu"), video, args.video_width, args.video_height)
+        returns += run_episodes(
+            actor, env_id, 1, args.seed + episode, torch.device("cpu"), video, args.video_width, args.video_height, terminate_when_unhealthy
+        )
     result = {
         "env_id": env_id,
         "episodes": args.episodes,

@@ -87,6 +87,7 @@ def main(args: Args, on_evaluation: Callable[[int, float], None] | None = None) 
             video,
             args.video_width,
             args.video_height,
+            args.terminate_when_unhealthy,
         )
         writer.add_scalar("eval/mean_return", float(np.mean(returns)), step)
         writer.add_scalar("eval/std_return", float(np.std(returns)), step)

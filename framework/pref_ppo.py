@@ -69,7 +69,11 @@ class PPOArgs:
 
     # --- environment and PPO (CleanRL's ppo_continuous_action defaults) ---
     env_id: str = "Hopper-v5"
-    """the id of the environment: Gymnasium MuJoCo, dm_control/<domain>-<task>-v0, or classic control (CartPole-v1, ...)"""
+    """the id of the environment: Gymnasium MuJoCo, dm_control/<domain>-<task>-v0, or classic control (CartPole-v1, ...);
+    framework/working_envs.md lists the MuJoCo and DMC ones"""
+    terminate_when_unhealthy: bool = True
+    """end an episode when the robot falls (Hopper, Walker2d, Ant, Humanoid); --no-terminate-when-unhealthy keeps it
+    running so a person can teach what the default termination forbids (a salto, raising one leg)"""
     total_timesteps: int = 1_000_000
     """total environment steps (whole iterations of num_envs x num_steps: the remainder is not run)"""
     learning_rate: float = 3e-4
@@ -357,14 +361,47 @@ def validate_args(args: Args) -> None:
 # Environments: Gymnasium MuJoCo, the DeepMind Control Suite (through shimmy) and classic control
 # ----------------------------------------------------------------------------------------
 def check_env_id(env_id: str) -> None:
-    if env_id.startswith("dm_control/"):
+    if env_id.startswith("dm_control/") or env_id not in gym.registry:  # shimmy registers dm_control/<domain>-<task>-v0
         import shimmy
 
         gym.register_envs(shimmy)
     if env_id not in gym.registry:
-        close = [name for name in gym.registry if env_id.split("/")[-1].split("-")[0].lower() in name.lower()][:5]
+        import difflib
+
+        close = difflib.get_close_matches(env_id, list(gym.registry), n=5, cutoff=0.6)
         hint = f" (similar: {', '.join(close)})" if close else ""
         raise ConfigError(f"--env-id {env_id} is not a registered Gymnasium environment{hint}")
+
+
+def accepts_terminate_when_unhealthy(env_id: str) -> bool:
+    """Whether the env's constructor takes terminate_when_unhealthy (Gymnasium's Hopper, Walker2d, Ant, Humanoid)."""
+    import inspect
+
+    entry_point = gym.spec(env_id).entry_point
+    creator = gym.envs.registration.load_env_creator(entry_point) if isinstance(entry_point, str) else entry_point
+    try:
+        return "terminate_when_unhealthy" in inspect.signature(creator).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def env_kwargs(env_id: str, terminate_when_unhealthy: bool = True) -> dict:
+    """Keyword arguments for gym.make beyond rendering; a request the env cannot honour is an error, never ignored."""
+    if terminate_when_unhealthy:
+        return {}
+    if not accepts_terminate_when_unhealthy(env_id):
+        having = [name for name in gym.registry if name.endswith("-v5") and accepts_terminate_when_unhealthy(name)]
+        raise ConfigError(
+            f"--no-terminate-when-unhealthy: {env_id} has no unhealthy termination to turn off (envs that have it: {', '.join(having)})"
+        )
+    return {"terminate_when_unhealthy": False}
+
+
+def image_observation_keys(space: gym.Space) -> list[str]:
+    """Keys of a Dict observation that hold camera images: these scripts learn from state vectors."""
+    if not isinstance(space, gym.spaces.Dict):
+        return []
+    return [key for key, sub in space.spaces.items() if isinstance(sub, gym.spaces.Box) and sub.dtype == np.uint8 and len(sub.shape) >= 2]
 
 
 def is_mujoco_env(env_id: str) -> bool:
@@ -383,16 +420,22 @@ def check_can_render(env_id: str, feature: str) -> None:
     )
 
 
-def make_env(env_id: str, seed: int, render_mode: str | None = None, width: int = 320, height: int = 240):
+def make_env(
+    env_id: str, seed: int, render_mode: str | None = None, width: int = 320, height: int = 240, terminate_when_unhealthy: bool = True
+):
     def thunk():
         check_env_id(env_id)
-        kwargs = {}
-        if render_mode == "rgb_array" and is_mujoco_env(env_id):  # classic control draws at its own size
-            kwargs = {"width": width, "height": height}
-            if env_id.startswith("dm_control/"):
-                kwargs = {"render_kwargs": {"width": width, "height": height, "camera_id": 0}}
+        kwargs = env_kwargs(env_id, terminate_when_unhealthy)
+        if render_mode == "rgb_array" and env_id.startswith("dm_control/"):
+            kwargs |= {"render_kwargs": {"width": width, "height": height, "camera_id": 0}}
+        elif render_mode == "rgb_array" and is_mujoco_env(env_id):  # classic control draws at its own size
+            kwargs |= {"width": width, "height": height}
         env = gym.make(env_id, render_mode=render_mode, **kwargs)
-        if isinstance(env.observation_space, gym.spaces.Dict):
+        images = image_observation_keys(env.observation_space)
+        if images:
+            env.close()
+            raise ConfigError(f"--env-id {env_id} observes camera images ({', '.join(images)}); these scripts need state observations")
+        if isinstance(env.observation_space, gym.spaces.Dict):  # dm_control: one vector, keys in a fixed order
             env = gym.wrappers.FlattenObservation(env)
         if not isinstance(env.action_space, (gym.spaces.Box, gym.spaces.Discrete)):
             env.close()
@@ -410,7 +453,14 @@ def make_vector_env(args: PPOArgs) -> gym.vector.SyncVectorEnv:
     """num_envs copies with Gymnasium's next-step autoreset; only the first renders with --render-mode."""
     return gym.vector.SyncVectorEnv(
         [
-            make_env(args.env_id, args.seed + i, args.render_mode if i == 0 else None, args.video_width, args.video_height)
+            make_env(
+                args.env_id,
+                args.seed + i,
+                args.render_mode if i == 0 else None,
+                args.video_width,
+                args.video_height,
+                args.terminate_when_unhealthy,
+            )
             for i in range(args.num_envs)
         ],
         autoreset_mode=gym.vector.AutoresetMode.NEXT_STEP,
@@ -553,17 +603,59 @@ def _time_limit(env: gym.Env):
     return env
 
 
+def raw_mujoco(env: gym.Env):
+    """The mujoco.MjModel and MjData behind a Gymnasium MuJoCo or dm_control env, or (None, None)."""
+    unwrapped = env.unwrapped
+    if hasattr(unwrapped, "physics"):  # dm_control through shimmy
+        return unwrapped.physics.model._model, unwrapped.physics.data._data
+    if hasattr(unwrapped, "data"):
+        return unwrapped.model, unwrapped.data
+    return None, None
+
+
 def mujoco_integration_state(env: gym.Env) -> np.ndarray | None:
-    """Gymnasium MuJoCo envs: the full physics state plus what the next step depends on beyond it (the
-    constraint solver's warm start, controls), so that a resumed run continues bit for bit."""
+    """The full physics state plus what the next step depends on beyond it (the constraint solver's warm
+    start, controls), so that a resumed run continues bit for bit."""
     import mujoco
 
-    unwrapped = env.unwrapped
-    if hasattr(unwrapped, "physics") or not hasattr(unwrapped, "data"):
+    model, data = raw_mujoco(env)
+    if model is None:
         return None
-    state = np.empty(mujoco.mj_stateSize(unwrapped.model, mujoco.mjtState.mjSTATE_INTEGRATION), dtype=np.float64)
-    mujoco.mj_getState(unwrapped.model, unwrapped.data, state, mujoco.mjtState.mjSTATE_INTEGRATION)
+    state = np.empty(mujoco.mj_stateSize(model, mujoco.mjtState.mjSTATE_INTEGRATION), dtype=np.float64)
+    mujoco.mj_getState(model, data, state, mujoco.mjtState.mjSTATE_INTEGRATION)
     return state
+
+
+def set_mujoco_integration_state(env: gym.Env, state: np.ndarray) -> None:
+    import mujoco
+
+    model, data = raw_mujoco(env)
+    mujoco.mj_setState(model, data, state, mujoco.mjtState.mjSTATE_INTEGRATION)
+
+
+def rng_state(env: gym.Env):
+    # dm_control tasks draw from a legacy np.random.RandomState, Gymnasium envs from a Generator.
+    generator = env.unwrapped.np_random
+    return generator.get_state() if isinstance(generator, np.random.RandomState) else generator.bit_generator.state
+
+
+def episode_counters(env: gym.Env) -> dict:
+    # dm_control keeps its own time limit: the suite counts steps inside its Environment, not in a TimeLimit wrapper.
+    inner = getattr(env.unwrapped, "_env", None)
+    return {key: getattr(inner, key) for key in ("_step_count", "_reset_next_step") if hasattr(inner, key)}
+
+
+def set_episode_counters(env: gym.Env, counters: dict) -> None:
+    for key, value in counters.items():
+        setattr(env.unwrapped._env, key, value)
+
+
+def set_rng_state(env: gym.Env, state) -> None:
+    generator = env.unwrapped.np_random
+    if isinstance(generator, np.random.RandomState):
+        generator.set_state(state)
+    else:
+        generator.bit_generator.state = state
 
 
 def capture_env_state(envs: gym.vector.SyncVectorEnv, obs: np.ndarray) -> dict:
@@ -575,7 +667,8 @@ def capture_env_state(envs: gym.vector.SyncVectorEnv, obs: np.ndarray) -> dict:
                 "physics": get_physics_state(env),
                 "integration": mujoco_integration_state(env),
                 "elapsed_steps": getattr(_time_limit(env), "_elapsed_steps", None),
-                "np_random": env.unwrapped.np_random.bit_generator.state,
+                "np_random": rng_state(env),
+                "episode_counters": episode_counters(env),
                 "steps_beyond_terminated": getattr(env.unwrapped, "steps_beyond_terminated", None),  # classic control
             }
         )
@@ -586,12 +679,11 @@ def restore_env_state(envs: gym.vector.SyncVectorEnv, state: dict) -> np.ndarray
     for env, saved in zip(envs.envs, state["envs"]):
         set_physics_state(env, saved["physics"])
         if saved.get("integration") is not None:
-            import mujoco
-
-            mujoco.mj_setState(env.unwrapped.model, env.unwrapped.data, saved["integration"], mujoco.mjtState.mjSTATE_INTEGRATION)
+            set_mujoco_integration_state(env, saved["integration"])
         if saved["elapsed_steps"] is not None:
             _time_limit(env)._elapsed_steps = saved["elapsed_steps"]
-        env.unwrapped.np_random.bit_generator.state = saved["np_random"]
+        set_rng_state(env, saved["np_random"])
+        set_episode_counters(env, saved.get("episode_counters", {}))
         if hasattr(env.unwrapped, "steps_beyond_terminated"):
             env.unwrapped.steps_beyond_terminated = saved["steps_beyond_terminated"]
     envs._autoreset_envs[:] = state["autoreset"]
@@ -1797,9 +1889,11 @@ def evaluate_policy(
     video_path: str | Path | None = None,
     width: int = 320,
     height: int = 240,
+    terminate_when_unhealthy: bool = True,
 ) -> list[float]:
     """True returns of deterministic-action episodes with seeds seed, seed+1, ...; optionally an mp4 of the first."""
-    env = make_env(env_id, seed, render_mode="rgb_array" if video_path else None, width=width, height=height)()
+    render_mode = "rgb_array" if video_path else None
+    env = make_env(env_id, seed, render_mode, width, height, terminate_when_unhealthy)()
     returns, frames = [], []
     policy.eval()
     for episode in range(episodes):
@@ -2153,6 +2247,7 @@ def main(args: Args, on_evaluation: Callable[[int, float], None] | None = None) 
             video,
             args.video_width,
             args.video_height,
+            args.terminate_when_unhealthy,
         )
         loop.last_eval_return = float(np.mean(returns))
         writer.add_scalar("eval/mean_return", loop.last_eval_return, step)

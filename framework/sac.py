@@ -44,7 +44,7 @@ def main(args: Args, on_evaluation: Callable[[int, float], None] | None = None) 
     evaluation (a sweep uses it to report intermediate results and prune hopeless trials: what it raises ends the run)."""
     validate_sac_args(args)
     envs = gym.vector.SyncVectorEnv(
-        [make_env(args.env_id, args.seed, args.render_mode, args.video_width, args.video_height)],
+        [make_env(args.env_id, args.seed, args.render_mode, args.video_width, args.video_height, args.terminate_when_unhealthy)],
         autoreset_mode=gym.vector.AutoresetMode.NEXT_STEP,
     )
     run_name = args.run_name or default_run_name(args)
@@ -70,7 +70,15 @@ def main(args: Args, on_evaluation: Callable[[int, float], None] | None = None) 
     def evaluate(step: int) -> float:
         video = video_dir / f"eval_step_{step}.mp4" if args.capture_video else None
         returns = evaluate_policy(
-            agent.actor, args.env_id, args.evaluation_episodes, args.seed + 100_000, device, video, args.video_width, args.video_height
+            agent.actor,
+            args.env_id,
+            args.evaluation_episodes,
+            args.seed + 100_000,
+            device,
+            video,
+            args.video_width,
+            args.video_height,
+            args.terminate_when_unhealthy,
         )
         writer.add_scalar("eval/mean_return", float(np.mean(returns)), step)
         writer.add_scalar("eval/std_return", float(np.std(returns)), step)

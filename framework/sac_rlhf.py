@@ -61,7 +61,10 @@ class SACArgs:
 
     # --- environment and SAC (CleanRL's defaults) ---
     env_id: str = "Hopper-v5"
-    """the id of the environment (any Gymnasium MuJoCo id or dm_control/<domain>-<task>-v0)"""
+    """the id of the environment (any Gymnasium MuJoCo id or dm_control/<domain>-<task>-v0; framework/working_envs.md lists them)"""
+    terminate_when_unhealthy: bool = True
+    """end an episode when the robot falls (Hopper, Walker2d, Ant, Humanoid); --no-terminate-when-unhealthy keeps it
+    running so a person can teach what the default termination forbids (a salto, raising one leg)"""
     total_timesteps: int = 1_000_000
     """total environment steps"""
     buffer_size: int = 1_000_000
@@ -321,30 +324,78 @@ def validate_args(args: Args) -> None:
 # Environments: Gymnasium MuJoCo and the DeepMind Control Suite (through shimmy)
 # ----------------------------------------------------------------------------------------
 def check_env_id(env_id: str) -> None:
-    if env_id.startswith("dm_control/"):
+    if env_id.startswith("dm_control/") or env_id not in gym.registry:  # shimmy registers dm_control/<domain>-<task>-v0
         import shimmy
 
         gym.register_envs(shimmy)
     if env_id not in gym.registry:
-        close = [name for name in gym.registry if env_id.split("/")[-1].split("-")[0].lower() in name.lower()][:5]
+        import difflib
+
+        close = difflib.get_close_matches(env_id, list(gym.registry), n=5, cutoff=0.6)
         hint = f" (similar: {', '.join(close)})" if close else ""
         raise ConfigError(f"--env-id {env_id} is not a registered Gymnasium environment{hint}")
 
 
-def make_env(env_id: str, seed: int, render_mode: str | None = None, width: int = 320, height: int = 240):
+def accepts_terminate_when_unhealthy(env_id: str) -> bool:
+    """Whether the env's constructor takes terminate_when_unhealthy (Gymnasium's Hopper, Walker2d, Ant, Humanoid)."""
+    import inspect
+
+    entry_point = gym.spec(env_id).entry_point
+    creator = gym.envs.registration.load_env_creator(entry_point) if isinstance(entry_point, str) else entry_point
+    try:
+        return "terminate_when_unhealthy" in inspect.signature(creator).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def env_kwargs(env_id: str, terminate_when_unhealthy: bool = True) -> dict:
+    """Keyword arguments for gym.make beyond rendering; a request the env cannot honour is an error, never ignored."""
+    if terminate_when_unhealthy:
+        return {}
+    if not accepts_terminate_when_unhealthy(env_id):
+        having = [name for name in gym.registry if name.endswith("-v5") and accepts_terminate_when_unhealthy(name)]
+        raise ConfigError(
+            f"--no-terminate-when-unhealthy: {env_id} has no unhealthy termination to turn off (envs that have it: {', '.join(having)})"
+        )
+    return {"terminate_when_unhealthy": False}
+
+
+def image_observation_keys(space: gym.Space) -> list[str]:
+    """Keys of a Dict observation that hold camera images: these scripts learn from state vectors."""
+    if not isinstance(space, gym.spaces.Dict):
+        return []
+    return [key for key, sub in space.spaces.items() if isinstance(sub, gym.spaces.Box) and sub.dtype == np.uint8 and len(sub.shape) >= 2]
+
+
+def make_env(
+    env_id: str, seed: int, render_mode: str | None = None, width: int = 320, height: int = 240, terminate_when_unhealthy: bool = True
+):
     def thunk():
         check_env_id(env_id)
-        kwargs = {}
-        if render_mode == "rgb_array":
-            kwargs = {"width": width, "height": height}
-            if env_id.startswith("dm_control/"):
-                kwargs = {"render_kwargs": {"width": width, "height": height, "camera_id": 0}}
+        kwargs = env_kwargs(env_id, terminate_when_unhealthy)
+        if render_mode == "rgb_array" and env_id.startswith("dm_control/"):
+            kwargs |= {"render_kwargs": {"width": width, "height": height, "camera_id": 0}}
+        elif render_mode == "rgb_array":
+            kwargs |= {"width": width, "height": height}
         env = gym.make(env_id, render_mode=render_mode, **kwargs)
-        if isinstance(env.observation_space, gym.spaces.Dict):
+        images = image_observation_keys(env.observation_space)
+        if images:
+            env.close()
+            raise ConfigError(f"--env-id {env_id} observes camera images ({', '.join(images)}); these scripts need state observations")
+        if isinstance(env.observation_space, gym.spaces.Dict):  # dm_control: one vector, keys in a fixed order
             env = gym.wrappers.FlattenObservation(env)
         if not isinstance(env.action_space, gym.spaces.Box):
             env.close()
             raise ConfigError(f"--env-id {env_id} has a {type(env.action_space).__name__} action space; SAC needs a continuous (Box) one")
+        bounds = np.abs(np.concatenate([env.action_space.low.ravel(), env.action_space.high.ravel()]))
+        if not np.all(bounds < 1e6):
+            env.close()
+            raise ConfigError(
+                f"--env-id {env_id} has unbounded actions (bounds up to {bounds.max():.0e}); SAC squashes actions into finite bounds"
+            )
+        if mujoco_model(env) is None:
+            env.close()
+            raise ConfigError(f"--env-id {env_id} is not simulated by MuJoCo, so its segments cannot be stored and re-rendered")
         lower_shadow_quality(env)
         env.action_space.seed(seed)
         return env
@@ -469,17 +520,59 @@ def write_mp4(path: str | Path, frames: np.ndarray, fps: float) -> None:
     writer.close()
 
 
+def raw_mujoco(env: gym.Env):
+    """The mujoco.MjModel and MjData behind a Gymnasium MuJoCo or dm_control env, or (None, None)."""
+    unwrapped = env.unwrapped
+    if hasattr(unwrapped, "physics"):  # dm_control through shimmy
+        return unwrapped.physics.model._model, unwrapped.physics.data._data
+    if hasattr(unwrapped, "data"):
+        return unwrapped.model, unwrapped.data
+    return None, None
+
+
 def mujoco_integration_state(env: gym.Env) -> np.ndarray | None:
-    """Gymnasium MuJoCo envs: the full physics state plus what the next step depends on beyond it (the
-    constraint solver's warm start, controls), so that a resumed run continues bit for bit."""
+    """The full physics state plus what the next step depends on beyond it (the constraint solver's warm
+    start, controls), so that a resumed run continues bit for bit."""
     import mujoco
 
-    unwrapped = env.unwrapped
-    if hasattr(unwrapped, "physics") or not hasattr(unwrapped, "data"):
+    model, data = raw_mujoco(env)
+    if model is None:
         return None
-    state = np.empty(mujoco.mj_stateSize(unwrapped.model, mujoco.mjtState.mjSTATE_INTEGRATION), dtype=np.float64)
-    mujoco.mj_getState(unwrapped.model, unwrapped.data, state, mujoco.mjtState.mjSTATE_INTEGRATION)
+    state = np.empty(mujoco.mj_stateSize(model, mujoco.mjtState.mjSTATE_INTEGRATION), dtype=np.float64)
+    mujoco.mj_getState(model, data, state, mujoco.mjtState.mjSTATE_INTEGRATION)
     return state
+
+
+def set_mujoco_integration_state(env: gym.Env, state: np.ndarray) -> None:
+    import mujoco
+
+    model, data = raw_mujoco(env)
+    mujoco.mj_setState(model, data, state, mujoco.mjtState.mjSTATE_INTEGRATION)
+
+
+def rng_state(env: gym.Env):
+    # dm_control tasks draw from a legacy np.random.RandomState, Gymnasium envs from a Generator.
+    generator = env.unwrapped.np_random
+    return generator.get_state() if isinstance(generator, np.random.RandomState) else generator.bit_generator.state
+
+
+def episode_counters(env: gym.Env) -> dict:
+    # dm_control keeps its own time limit: the suite counts steps inside its Environment, not in a TimeLimit wrapper.
+    inner = getattr(env.unwrapped, "_env", None)
+    return {key: getattr(inner, key) for key in ("_step_count", "_reset_next_step") if hasattr(inner, key)}
+
+
+def set_episode_counters(env: gym.Env, counters: dict) -> None:
+    for key, value in counters.items():
+        setattr(env.unwrapped._env, key, value)
+
+
+def set_rng_state(env: gym.Env, state) -> None:
+    generator = env.unwrapped.np_random
+    if isinstance(generator, np.random.RandomState):
+        generator.set_state(state)
+    else:
+        generator.bit_generator.state = state
 
 
 def capture_env_state(envs: gym.vector.SyncVectorEnv, obs: np.ndarray) -> dict:
@@ -492,7 +585,8 @@ def capture_env_state(envs: gym.vector.SyncVectorEnv, obs: np.ndarray) -> dict:
         "physics": get_physics_state(env),
         "integration": mujoco_integration_state(env),
         "elapsed_steps": getattr(time_limit, "_elapsed_steps", None),
-        "np_random": env.unwrapped.np_random.bit_generator.state,
+        "np_random": rng_state(env),
+        "episode_counters": episode_counters(env),
         "autoreset": envs._autoreset_envs.copy(),  # Gymnasium's next-step autoreset flags
         "obs": obs.copy(),
     }
@@ -502,15 +596,14 @@ def restore_env_state(envs: gym.vector.SyncVectorEnv, state: dict) -> np.ndarray
     env = envs.envs[0]
     set_physics_state(env, state["physics"])
     if state.get("integration") is not None:
-        import mujoco
-
-        mujoco.mj_setState(env.unwrapped.model, env.unwrapped.data, state["integration"], mujoco.mjtState.mjSTATE_INTEGRATION)
+        set_mujoco_integration_state(env, state["integration"])
     time_limit = env
     while not isinstance(time_limit, gym.wrappers.TimeLimit) and hasattr(time_limit, "env"):
         time_limit = time_limit.env
     if state["elapsed_steps"] is not None:
         time_limit._elapsed_steps = state["elapsed_steps"]
-    env.unwrapped.np_random.bit_generator.state = state["np_random"]
+    set_rng_state(env, state["np_random"])
+    set_episode_counters(env, state.get("episode_counters", {}))
     envs._autoreset_envs[:] = state["autoreset"]
     return state["obs"].copy()
 
@@ -1398,10 +1491,19 @@ def surf_loss(
 # Evaluation
 # ----------------------------------------------------------------------------------------
 def evaluate_policy(
-    actor: Actor, env_id: str, episodes: int, seed: int, device, video_path: str | Path | None = None, width: int = 320, height: int = 240
+    actor: Actor,
+    env_id: str,
+    episodes: int,
+    seed: int,
+    device,
+    video_path: str | Path | None = None,
+    width: int = 320,
+    height: int = 240,
+    terminate_when_unhealthy: bool = True,
 ) -> list[float]:
     """True returns of deterministic-action episodes with seeds seed, seed+1, ...; optionally an mp4 of the first."""
-    env = make_env(env_id, seed, render_mode="rgb_array" if video_path else None, width=width, height=height)()
+    render_mode = "rgb_array" if video_path else None
+    env = make_env(env_id, seed, render_mode, width, height, terminate_when_unhealthy)()
     returns, frames = [], []
     actor.eval()
     for episode in range(episodes):
@@ -1505,7 +1607,7 @@ def main(args: Args, on_evaluation: Callable[[int, float], None] | None = None) 
 
     # Built before anything is written, so a bad env id or action space fails cleanly.
     envs = gym.vector.SyncVectorEnv(
-        [make_env(args.env_id, args.seed, args.render_mode, args.video_width, args.video_height)],
+        [make_env(args.env_id, args.seed, args.render_mode, args.video_width, args.video_height, args.terminate_when_unhealthy)],
         autoreset_mode=gym.vector.AutoresetMode.NEXT_STEP,
     )
 
@@ -1677,7 +1779,15 @@ def main(args: Args, on_evaluation: Callable[[int, float], None] | None = None) 
     def evaluate(step: int) -> None:
         video = video_dir / f"eval_step_{step}.mp4" if args.capture_video else None
         returns = evaluate_policy(
-            agent.actor, args.env_id, args.evaluation_episodes, args.seed + 100_000, device, video, args.video_width, args.video_height
+            agent.actor,
+            args.env_id,
+            args.evaluation_episodes,
+            args.seed + 100_000,
+            device,
+            video,
+            args.video_width,
+            args.video_height,
+            args.terminate_when_unhealthy,
         )
         loop.last_eval_return = float(np.mean(returns))
         writer.add_scalar("eval/mean_return", loop.last_eval_return, step)
