@@ -7,8 +7,6 @@ from pathlib import Path
 import pytest
 import tyro
 
-import sac_rlhf
-
 REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()
 
@@ -24,12 +22,36 @@ def test_ci_runs_the_readme_test_command_verbatim():
     assert "python -m pip install torch==2.13.0" in ci_lines, "CI pins the CPU torch wheel before anything else"
 
 
-@pytest.mark.parametrize("script", sorted((REPO / "scripts").glob("*.sh")), ids=lambda p: p.name)
+SCRIPTS = sorted((REPO / "scripts").rglob("*.sh"))
+# Each algorithm script's Args and the check it runs before training.
+ALGORITHMS = {
+    "sac_rlhf": ("sac_rlhf", "Args", "validate_args"),
+    "pref_ppo": ("pref_ppo", "Args", "validate_args"),
+    "sac": ("sac", "Args", "validate_sac_args"),
+    "ppo": ("ppo", "Args", "validate_ppo_args"),
+}
+
+
+def test_every_benchmarked_environment_has_a_run_script():
+    env_ids = {str(script.relative_to(REPO / "scripts").with_suffix("")) for script in SCRIPTS}
+    for env_id in ["Hopper-v5", "Walker2d-v5", "HalfCheetah-v5", "Ant-v5", "Swimmer-v5"]:
+        assert env_id in env_ids
+    for task in ["walker-walk", "cheetah-run", "quadruped-walk"]:
+        assert f"dm_control/{task}-v0" in env_ids
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: str(p.relative_to(REPO / "scripts")))
 def test_run_scripts_parse_with_the_scripts_own_args(script):
+    import importlib
+
     command = script.read_text().replace("\\\n", " ")
-    line = next(line for line in command.splitlines() if "framework/sac_rlhf.py" in line)
+    line = next(line for line in command.splitlines() if re.search(r"python framework/\w+\.py", line))
     tokens = shlex.split(line.replace('"$@"', ""))
-    flags = tokens[tokens.index("framework/sac_rlhf.py") + 1 :]
-    args = tyro.cli(sac_rlhf.Args, args=flags)  # an unknown flag exits with a usage error
-    sac_rlhf.validate_args(args)
-    assert args.env_id == script.stem
+    program = next(token for token in tokens if token.startswith("framework/"))
+    module_name, args_name, validate_name = ALGORITHMS[Path(program).stem]
+    module = importlib.import_module(module_name)
+    flags = tokens[tokens.index(program) + 1 :]
+    args = tyro.cli(getattr(module, args_name), args=flags)  # an unknown flag exits with a usage error
+    getattr(module, validate_name)(args)
+    # scripts/<ENV_ID>.sh: the file's path is the env it runs (dm_control/<task>-v0 in a folder)
+    assert args.env_id == str(script.relative_to(REPO / "scripts").with_suffix(""))

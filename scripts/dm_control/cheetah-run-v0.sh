@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# PEBBLE on dm_control/cheetah-run-v0 from 100 synthetic labels.
+# Where the settings come from: the PEBBLE/SURF papers' cheetah-run setting (100 labels, 10 per session every 20k steps),
+# with the SAC of PEBBLE's public DMC configuration (2 x 1024 units, batch 1024, initial temperature 0.1,
+# actor and critic learning rate 0.0005, target update every 2 steps, actor every step) and its 1000 random + 9000
+# exploration steps, constant (linear) schedule, 50-step segments, disagreement sampling; SURF on (our default).
+# These networks are sized for a GPU: bench/feedback_efficiency.py runs this task with CleanRL's 256-unit SAC.
+# Run from the repository root: bash scripts/dm_control/cheetah-run-v0.sh [more flags]
+set -euo pipefail
+python framework/sac_rlhf.py \
+  --env-id dm_control/cheetah-run-v0 \
+  --total-timesteps 500000 \
+  --actor-hidden-dim 1024 \
+  --critic-hidden-dim 1024 \
+  --batch-size 1024 \
+  --policy-lr 0.0005 \
+  --q-lr 0.0005 \
+  --alpha 0.1 \
+  --policy-frequency 1 \
+  --target-network-frequency 2 \
+  --total-explore-steps 10000 \
+  --teacher-feedback-total-queries 100 \
+  --teacher-feedback-num-queries-per-session 10 \
+  --teacher-feedback-frequency 20000 \
+  --teacher-feedback-schedule linear \
+  --preference-sampling disagree \
+  --segment-length 50 \
+  --reward-net-epochs 50 \
+  --surf \
+  "$@"

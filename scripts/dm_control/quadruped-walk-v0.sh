@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# PEBBLE on dm_control/quadruped-walk-v0 from 1000 synthetic labels.
+# Where the settings come from: B-Pref's quadruped-walk PEBBLE script (1000 labels, 100 per session every 30k steps, learning rate 1e-4),
+# with the SAC of PEBBLE's public DMC configuration (2 x 1024 units, batch 1024, initial temperature 0.1,
+# actor and critic learning rate 0.0001, target update every 2 steps, actor every step) and its 1000 random + 9000
+# exploration steps, constant (linear) schedule, 50-step segments, disagreement sampling; SURF on (our default).
+# These networks are sized for a GPU: bench/feedback_efficiency.py runs this task with CleanRL's 256-unit SAC.
+# Run from the repository root: bash scripts/dm_control/quadruped-walk-v0.sh [more flags]
+set -euo pipefail
+python framework/sac_rlhf.py \
+  --env-id dm_control/quadruped-walk-v0 \
+  --total-timesteps 1000000 \
+  --actor-hidden-dim 1024 \
+  --critic-hidden-dim 1024 \
+  --batch-size 1024 \
+  --policy-lr 0.0001 \
+  --q-lr 0.0001 \
+  --alpha 0.1 \
+  --policy-frequency 1 \
+  --target-network-frequency 2 \
+  --total-explore-steps 10000 \
+  --teacher-feedback-total-queries 1000 \
+  --teacher-feedback-num-queries-per-session 100 \
+  --teacher-feedback-frequency 30000 \
+  --teacher-feedback-schedule linear \
+  --preference-sampling disagree \
+  --segment-length 50 \
+  --reward-net-epochs 50 \
+  --surf \
+  "$@"
