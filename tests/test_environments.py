@@ -6,7 +6,6 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-import list_envs
 import mujoco
 import numpy as np
 import pytest
@@ -14,6 +13,7 @@ import torch
 from test_end_to_end import assert_same_training, final_state, scalars, small_args
 from test_pref_ppo import hopper_args
 
+import list_envs
 import pref_ppo
 import sac_rlhf
 
