@@ -53,101 +53,104 @@ def main(args: Args, on_evaluation: Callable[[int, float], None] | None = None) 
     run_name = args.run_name or default_run_name(args)
     run_dir, model_dir, video_dir = Path("runs") / run_name, Path("models") / run_name, Path("videos") / run_name
     writer = start_logging(args, run_name, run_dir)
+    try:  # closed however the run ends, e.g. when a sweep prunes it from on_evaluation
+        device, rng = seed_everything(args)
 
-    device, rng = seed_everything(args)
-
-    obs, _ = envs.reset(seed=args.seed)
-    obs_dim = int(np.prod(envs.single_observation_space.shape))
-    action_space = envs.single_action_space
-    agent = Agent(obs_dim, action_space, args.actor_hidden_dim, args.actor_hidden_layers, args.critic_hidden_dim, args.critic_hidden_layers)
-    agent = agent.to(device)
-    optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)
-    rollout = RolloutBuffer(args.num_steps, args.num_envs, obs_dim, action_space.shape, reward_action_dim(action_space), 0)
-    obs_rms = ObservationNormalizer(obs_dim, enabled=args.normalize_obs)
-    return_rms = ReturnNormalizer(args.num_envs, args.gamma, enabled=args.normalize_reward)
-    episodes = EpisodeTracker(args.num_envs)
-    batch_size = args.num_envs * args.num_steps
-    num_iterations = args.total_timesteps // batch_size
-
-    progress = None
-    if args.progress_bar:
-        from tqdm import tqdm
-
-        progress = tqdm(total=num_iterations * batch_size, unit="step", dynamic_ncols=True)
-    start_time, global_step, last_return, last_eval = time.time(), 0, float("nan"), float("nan")
-
-    def evaluate(step: int) -> float:
-        video = video_dir / f"eval_step_{step}.mp4" if args.capture_video else None
-        returns = evaluate_policy(
-            PPOPolicy(agent, obs_rms),
-            args.env_id,
-            args.evaluation_episodes,
-            args.seed + 100_000,
-            device,
-            video,
-            args.video_width,
-            args.video_height,
-            args.terminate_when_unhealthy,
+        obs, _ = envs.reset(seed=args.seed)
+        obs_dim = int(np.prod(envs.single_observation_space.shape))
+        action_space = envs.single_action_space
+        agent = Agent(
+            obs_dim, action_space, args.actor_hidden_dim, args.actor_hidden_layers, args.critic_hidden_dim, args.critic_hidden_layers
         )
-        writer.add_scalar("eval/mean_return", float(np.mean(returns)), step)
-        writer.add_scalar("eval/std_return", float(np.std(returns)), step)
-        if on_evaluation is not None:
-            on_evaluation(step, float(np.mean(returns)))
-        return float(np.mean(returns))
+        agent = agent.to(device)
+        optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)
+        rollout = RolloutBuffer(args.num_steps, args.num_envs, obs_dim, action_space.shape, reward_action_dim(action_space), 0)
+        obs_rms = ObservationNormalizer(obs_dim, enabled=args.normalize_obs)
+        return_rms = ReturnNormalizer(args.num_envs, args.gamma, enabled=args.normalize_reward)
+        episodes = EpisodeTracker(args.num_envs)
+        batch_size = args.num_envs * args.num_steps
+        num_iterations = args.total_timesteps // batch_size
 
-    for iteration in range(1, num_iterations + 1):
-        lr = set_learning_rate(optimizer, args, iteration, num_iterations)
-        obs, finished = collect_rollout(envs, agent, obs_rms, rollout, obs, episodes, device)
-        for t, _, episode_return, episode_length in finished:
-            writer.add_scalar("charts/episodic_return", episode_return, global_step + (t + 1) * args.num_envs)
-            writer.add_scalar("charts/episodic_length", episode_length, global_step + (t + 1) * args.num_envs)
-            last_return = episode_return
-        global_step += batch_size
-        obs_rms.update(rollout.raw_obs[rollout.valid])  # for the next rollout: this one keeps its statistics
+        progress = None
+        if args.progress_bar:
+            from tqdm import tqdm
 
-        rollout.rewards[:] = rollout.true_rewards
-        rewards = return_rms.scale(rollout.rewards, rollout.terminated | rollout.truncated, rollout.valid)
-        stats = train_on_rollout(agent, optimizer, rollout, rewards, args, rng, device)
-        writer.add_scalar("charts/learning_rate", lr, global_step)
-        for name, value in stats.items():
-            writer.add_scalar(f"losses/{name}", value, global_step)
-        writer.add_scalar("charts/SPS", int(global_step / (time.time() - start_time)), global_step)
+            progress = tqdm(total=num_iterations * batch_size, unit="step", dynamic_ncols=True)
+        start_time, global_step, last_return, last_eval = time.time(), 0, float("nan"), float("nan")
+
+        def evaluate(step: int) -> float:
+            video = video_dir / f"eval_step_{step}.mp4" if args.capture_video else None
+            returns = evaluate_policy(
+                PPOPolicy(agent, obs_rms),
+                args.env_id,
+                args.evaluation_episodes,
+                args.seed + 100_000,
+                device,
+                video,
+                args.video_width,
+                args.video_height,
+                args.terminate_when_unhealthy,
+            )
+            writer.add_scalar("eval/mean_return", float(np.mean(returns)), step)
+            writer.add_scalar("eval/std_return", float(np.std(returns)), step)
+            if on_evaluation is not None:
+                on_evaluation(step, float(np.mean(returns)))
+            return float(np.mean(returns))
+
+        for iteration in range(1, num_iterations + 1):
+            lr = set_learning_rate(optimizer, args, iteration, num_iterations)
+            obs, finished = collect_rollout(envs, agent, obs_rms, rollout, obs, episodes, device)
+            for t, _, episode_return, episode_length in finished:
+                writer.add_scalar("charts/episodic_return", episode_return, global_step + (t + 1) * args.num_envs)
+                writer.add_scalar("charts/episodic_length", episode_length, global_step + (t + 1) * args.num_envs)
+                last_return = episode_return
+            global_step += batch_size
+            obs_rms.update(rollout.raw_obs[rollout.valid])  # for the next rollout: this one keeps its statistics
+
+            rollout.rewards[:] = rollout.true_rewards
+            rewards = return_rms.scale(rollout.rewards, rollout.terminated | rollout.truncated, rollout.valid)
+            stats = train_on_rollout(agent, optimizer, rollout, rewards, args, rng, device)
+            writer.add_scalar("charts/learning_rate", lr, global_step)
+            for name, value in stats.items():
+                writer.add_scalar(f"losses/{name}", value, global_step)
+            writer.add_scalar("charts/SPS", int(global_step / (time.time() - start_time)), global_step)
+            if progress is not None:
+                progress.set_postfix(ret=f"{last_return:.0f}", eval=f"{last_eval:.0f}", refresh=False)
+                progress.update(global_step - progress.n)
+            if crossed(args.evaluation_frequency, global_step - batch_size, global_step) and iteration < num_iterations:
+                last_eval = evaluate(global_step)
+
         if progress is not None:
-            progress.set_postfix(ret=f"{last_return:.0f}", eval=f"{last_eval:.0f}", refresh=False)
-            progress.update(global_step - progress.n)
-        if crossed(args.evaluation_frequency, global_step - batch_size, global_step) and iteration < num_iterations:
-            last_eval = evaluate(global_step)
+            progress.close()
+        wall = time.time() - start_time
+        last_eval = evaluate(global_step)
+        state = {
+            "algorithm": "ppo",
+            "run_name": run_name,
+            "args": asdict(args),
+            "agent": agent.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "obs_normalizer": obs_rms.state_dict(),
+        }
+        save_checkpoint(model_dir / "latest", state)
+        summary = {
+            "run_name": run_name,
+            "algorithm": "ppo",
+            "env_id": args.env_id,
+            "global_step": global_step,
+            "final_eval_return": last_eval,
+            "wall_seconds": wall,
+            "sps": global_step / wall,
+        }
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        return summary
+    finally:
+        envs.close()
+        writer.close()
+        if args.track:
+            import wandb
 
-    if progress is not None:
-        progress.close()
-    wall = time.time() - start_time
-    last_eval = evaluate(global_step)
-    state = {
-        "algorithm": "ppo",
-        "run_name": run_name,
-        "args": asdict(args),
-        "agent": agent.state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "obs_normalizer": obs_rms.state_dict(),
-    }
-    save_checkpoint(model_dir / "latest", state)
-    summary = {
-        "run_name": run_name,
-        "algorithm": "ppo",
-        "env_id": args.env_id,
-        "global_step": global_step,
-        "final_eval_return": last_eval,
-        "wall_seconds": wall,
-        "sps": global_step / wall,
-    }
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    envs.close()
-    writer.close()
-    if args.track:
-        import wandb
-
-        wandb.finish()
-    return summary
+            wandb.finish()
 
 
 if __name__ == "__main__":

@@ -2035,342 +2035,357 @@ def main(args: Args, on_evaluation: Callable[[int, float], None] | None = None) 
     action_input_dim = reward_action_dim(action_space)
 
     writer = start_logging(args, run_name, run_dir)
+    try:  # closed however the run ends, e.g. when a sweep prunes it from on_evaluation
+        device, rng = seed_everything(args)  # rng: minibatches, segment and k-NN sampling, held-out split
 
-    device, rng = seed_everything(args)  # rng: minibatches, segment and k-NN sampling, held-out split
-
-    agent = Agent(obs_dim, action_space, args.actor_hidden_dim, args.actor_hidden_layers, args.critic_hidden_dim, args.critic_hidden_layers)
-    agent = agent.to(device)
-    optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)
-    reward_model = RewardEnsemble(
-        obs_dim + action_input_dim,
-        args.reward_ensemble_size,
-        args.reward_net_hidden_dim,
-        args.reward_net_hidden_layers,
-        args.reward_net_dropout,
-    ).to(device)
-    reward_optimizer = torch.optim.Adam(reward_model.parameters(), lr=args.reward_net_lr)
-    rb = ReplayBuffer(min(args.buffer_size, args.total_timesteps), obs_dim, action_input_dim, state_dim)
-    prefs = PreferenceBuffer(args.segment_length, obs_dim + action_input_dim, state_dim)
-    rollout = RolloutBuffer(args.num_steps, args.num_envs, obs_dim, action_space.shape, action_input_dim, state_dim)
-    teacher = SyntheticTeacher(
-        args.teacher_beta, args.teacher_gamma, args.teacher_eps_mistake, args.teacher_eps_skip, args.teacher_eps_equal, seed=args.seed + 1
-    )
-    schedule = feedback_schedule(
-        args.teacher_feedback_total_queries,
-        args.teacher_feedback_num_queries_per_session,
-        args.teacher_feedback_schedule,
-        args.teacher_feedback_exponential_decay,
-    )
-    obs_rms = ObservationNormalizer(obs_dim, enabled=args.normalize_obs)
-    return_rms = ReturnNormalizer(args.num_envs, args.gamma, enabled=args.normalize_reward)
-    intrinsic_rms = RunningMeanStd()
-    episodes = EpisodeTracker(args.num_envs)
-    batch_size = args.num_envs * args.num_steps
-    num_iterations = args.total_timesteps // batch_size
-    # Exploration ends at the first iteration boundary at or after --total-explore-steps.
-    explore_end = math.ceil(args.total_explore_steps / batch_size) * batch_size if args.unsupervised_exploration else 0
-    loop = LoopState()
-
-    def checkpoint_state() -> dict:
-        return {
-            "algorithm": "pref_ppo", "run_name": run_name, "args": asdict(args),
-            "agent": agent.state_dict(), "optimizer": optimizer.state_dict(),
-            "reward_model": reward_model.state_dict(), "reward_optimizer": reward_optimizer.state_dict(),
-            "preference_buffer": prefs.state_dict(), "loop": asdict(loop), "episodes": episodes.state_dict(),
-            "obs_normalizer": obs_rms.state_dict(), "return_normalizer": return_rms.state_dict(),
-            "intrinsic_rms": intrinsic_rms.state_dict(), "teacher_rng": teacher.rng.bit_generator.state,
-            "rng": rng.bit_generator.state, "torch_rng": torch.get_rng_state(), "env": capture_env_state(envs, obs),
-        }  # fmt: skip
-
-    def iteration_snapshot() -> dict:
-        """The state an iteration starts from. Interrupted mid-iteration, a run saves this (with the networks and
-        labels as they are), so that the resumed run collects the interrupted rollout again: exactly so when the
-        interruption came before the iteration's PPO update changed the agent and before a feedback session began
-        (after that, the labels obtained are kept and the session is not asked again with the same pairs)."""
-        return {
-            "loop": {"global_step": loop.global_step, "iteration": loop.iteration}, "episodes": episodes.state_dict(),
-            "obs_normalizer": obs_rms.state_dict(), "return_normalizer": return_rms.state_dict(),
-            "intrinsic_rms": intrinsic_rms.state_dict(), "rng": rng.bit_generator.state, "torch_rng": torch.get_rng_state(),
-            "env": capture_env_state(envs, obs), "rb_position": (rb.pos, rb.full),
-        }  # fmt: skip
-
-    def interrupted_state(snapshot: dict) -> dict:
-        state = checkpoint_state()
-        state["loop"].update(snapshot["loop"])
-        for key in ("episodes", "obs_normalizer", "return_normalizer", "intrinsic_rms", "torch_rng", "env"):
-            state[key] = snapshot[key]
-        if not snapshot.get("session_started"):  # else new draws: the resumed session must not pick the same pairs
-            state["rng"] = snapshot["rng"]
-        rb.pos, rb.full = snapshot["rb_position"]  # the interrupted rollout's transitions are collected again
-        return state
-
-    def restore(state: dict) -> None:
-        nonlocal obs, loop
-        agent.load_state_dict(state["agent"])
-        optimizer.load_state_dict(state["optimizer"])
-        reward_model.load_state_dict(state["reward_model"])
-        reward_optimizer.load_state_dict(state["reward_optimizer"])
-        prefs.load_state_dict(state["preference_buffer"])
-        episodes.load_state_dict(state["episodes"])
-        obs_rms.load_state_dict(state["obs_normalizer"])
-        return_rms.load_state_dict(state["return_normalizer"])
-        intrinsic_rms.load_state_dict(state["intrinsic_rms"])
-        teacher.rng.bit_generator.state = state["teacher_rng"]
-        rng.bit_generator.state = state["rng"]
-        torch.set_rng_state(state["torch_rng"])
-        loop = LoopState(**state["loop"])
-        obs = restore_env_state(envs, state["env"])
-
-    if resume_state is not None:
-        restore(resume_state)
-        rb.load(Path(args.resume) / "replay_buffer.npz")
-        print(f"resumed {run_name} at step {loop.global_step} with {loop.labels_obtained} labels")
-    elif args.exploration_load:
-        explored = load_checkpoint(args.path_to_model)
-        restore(explored)
-        rb.load(args.path_to_replay_buffer)
-        print(f"loaded exploration checkpoint at step {loop.global_step}")
-
-    label_log = LabelLog(run_dir / "labels.sqlite")
-    server_process = human_teacher = renderer = None
-    if args.teacher_feedback_mode == "human":
-        if args.feedback_server_autostart:
-            server_process = start_feedback_server(args.feedback_server_url, run_dir / "feedback_server.log", args.feedback_server_token)
-        client = FeedbackClient(args.feedback_server_url, args.feedback_server_token)
-        feedback_run_id = client.create_run(run_name, args.env_id, {"seed": args.seed, "segment_length": args.segment_length})
-        renderer = SegmentRenderer(args.env_id, args.video_width, args.video_height, shadows=args.clip_shadows)
-        human_teacher = HumanTeacher(
-            client,
-            feedback_run_id,
-            renderer,
-            video_dir / "clips",
-            args.clip_fps,
-            loop.extra.get("feedback_cursor", 0),
-            args.feedback_poll_seconds,
+        agent = Agent(
+            obs_dim, action_space, args.actor_hidden_dim, args.actor_hidden_layers, args.critic_hidden_dim, args.critic_hidden_layers
         )
-        print(f"feedback server: label at {args.feedback_server_url}/ (run {feedback_run_id})")
-    elif args.teacher_feedback_mode == "file":
-        file_segments, file_labels = read_label_file(args.feedback_file)
-        print(f"training from {len(file_labels)} labels in {args.feedback_file}")
+        agent = agent.to(device)
+        optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)
+        reward_model = RewardEnsemble(
+            obs_dim + action_input_dim,
+            args.reward_ensemble_size,
+            args.reward_net_hidden_dim,
+            args.reward_net_hidden_layers,
+            args.reward_net_dropout,
+        ).to(device)
+        reward_optimizer = torch.optim.Adam(reward_model.parameters(), lr=args.reward_net_lr)
+        rb = ReplayBuffer(min(args.buffer_size, args.total_timesteps), obs_dim, action_input_dim, state_dim)
+        prefs = PreferenceBuffer(args.segment_length, obs_dim + action_input_dim, state_dim)
+        rollout = RolloutBuffer(args.num_steps, args.num_envs, obs_dim, action_space.shape, action_input_dim, state_dim)
+        teacher = SyntheticTeacher(
+            args.teacher_beta,
+            args.teacher_gamma,
+            args.teacher_eps_mistake,
+            args.teacher_eps_skip,
+            args.teacher_eps_equal,
+            seed=args.seed + 1,
+        )
+        schedule = feedback_schedule(
+            args.teacher_feedback_total_queries,
+            args.teacher_feedback_num_queries_per_session,
+            args.teacher_feedback_schedule,
+            args.teacher_feedback_exponential_decay,
+        )
+        obs_rms = ObservationNormalizer(obs_dim, enabled=args.normalize_obs)
+        return_rms = ReturnNormalizer(args.num_envs, args.gamma, enabled=args.normalize_reward)
+        intrinsic_rms = RunningMeanStd()
+        episodes = EpisodeTracker(args.num_envs)
+        batch_size = args.num_envs * args.num_steps
+        num_iterations = args.total_timesteps // batch_size
+        # Exploration ends at the first iteration boundary at or after --total-explore-steps.
+        explore_end = math.ceil(args.total_explore_steps / batch_size) * batch_size if args.unsupervised_exploration else 0
+        loop = LoopState()
 
-    def record_labels(segments: dict, labels: np.ndarray, annotators: list[str]) -> None:
-        answered = ~np.isnan(labels)
-        heldout = rng.random(len(labels)) < args.reward_net_heldout_fraction
-        prefs.add(
-            *(segments[k][answered] for k in ("obs_actions", "masks", "true_rewards", "physics_states")),
-            labels[answered],
-            heldout[answered],
-            loop.global_step,
-        )
-        label_log.append(
-            {k: segments[k][answered] for k in LabelLog.ARRAYS},
-            labels[answered],
-            [a for a, ok in zip(annotators, answered) if ok],
-            loop.sessions_done + 1,
-            loop.global_step,
-        )
-        loop.labels_obtained += int(answered.sum())
-        loop.queries_skipped += int((~answered).sum())
+        def checkpoint_state() -> dict:
+            return {
+                "algorithm": "pref_ppo", "run_name": run_name, "args": asdict(args),
+                "agent": agent.state_dict(), "optimizer": optimizer.state_dict(),
+                "reward_model": reward_model.state_dict(), "reward_optimizer": reward_optimizer.state_dict(),
+                "preference_buffer": prefs.state_dict(), "loop": asdict(loop), "episodes": episodes.state_dict(),
+                "obs_normalizer": obs_rms.state_dict(), "return_normalizer": return_rms.state_dict(),
+                "intrinsic_rms": intrinsic_rms.state_dict(), "teacher_rng": teacher.rng.bit_generator.state,
+                "rng": rng.bit_generator.state, "torch_rng": torch.get_rng_state(), "env": capture_env_state(envs, obs),
+            }  # fmt: skip
 
-    def ask_for_labels(num_queries: int) -> tuple[dict, np.ndarray, list[str]]:
-        """The session's segments and their labels, from the configured teacher."""
-        if args.teacher_feedback_mode == "file":
-            start = loop.extra.get("file_position", 0)
-            stop = min(start + num_queries, len(file_labels))
-            loop.extra["file_position"] = stop
-            return {k: v[start:stop] for k, v in file_segments.items()}, file_labels[start:stop], ["file"] * (stop - start)
-        # The first session uses uniform sampling: an untrained ensemble's disagreement carries no information.
-        strategy = "uniform" if loop.sessions_done == 0 else args.preference_sampling
-        idx, mask = select_queries(
-            strategy, reward_model, rb, num_queries, args.segment_length, args.preference_sampling_pool_factor, rng, device
-        )
-        segments = gather_segments(rb, idx, mask)
-        if args.teacher_feedback_mode == "simulated":
-            teacher.set_margin(args.segment_length * float(rb.true_rewards[: rb.size].mean()))
-            return segments, teacher.label(segments["true_rewards"]), ["synthetic"] * num_queries
+        def iteration_snapshot() -> dict:
+            """The state an iteration starts from. Interrupted mid-iteration, a run saves this (with the networks and
+            labels as they are), so that the resumed run collects the interrupted rollout again: exactly so when the
+            interruption came before the iteration's PPO update changed the agent and before a feedback session began
+            (after that, the labels obtained are kept and the session is not asked again with the same pairs)."""
+            return {
+                "loop": {"global_step": loop.global_step, "iteration": loop.iteration}, "episodes": episodes.state_dict(),
+                "obs_normalizer": obs_rms.state_dict(), "return_normalizer": return_rms.state_dict(),
+                "intrinsic_rms": intrinsic_rms.state_dict(), "rng": rng.bit_generator.state, "torch_rng": torch.get_rng_state(),
+                "env": capture_env_state(envs, obs), "rb_position": (rb.pos, rb.full),
+            }  # fmt: skip
+
+        def interrupted_state(snapshot: dict) -> dict:
+            state = checkpoint_state()
+            state["loop"].update(snapshot["loop"])
+            for key in ("episodes", "obs_normalizer", "return_normalizer", "intrinsic_rms", "torch_rng", "env"):
+                state[key] = snapshot[key]
+            if not snapshot.get("session_started"):  # else new draws: the resumed session must not pick the same pairs
+                state["rng"] = snapshot["rng"]
+            rb.pos, rb.full = snapshot["rb_position"]  # the interrupted rollout's transitions are collected again
+            return state
+
+        def restore(state: dict) -> None:
+            nonlocal obs, loop
+            agent.load_state_dict(state["agent"])
+            optimizer.load_state_dict(state["optimizer"])
+            reward_model.load_state_dict(state["reward_model"])
+            reward_optimizer.load_state_dict(state["reward_optimizer"])
+            prefs.load_state_dict(state["preference_buffer"])
+            episodes.load_state_dict(state["episodes"])
+            obs_rms.load_state_dict(state["obs_normalizer"])
+            return_rms.load_state_dict(state["return_normalizer"])
+            intrinsic_rms.load_state_dict(state["intrinsic_rms"])
+            teacher.rng.bit_generator.state = state["teacher_rng"]
+            rng.bit_generator.state = state["rng"]
+            torch.set_rng_state(state["torch_rng"])
+            loop = LoopState(**state["loop"])
+            obs = restore_env_state(envs, state["env"])
+
+        if resume_state is not None:
+            restore(resume_state)
+            rb.load(Path(args.resume) / "replay_buffer.npz")
+            print(f"resumed {run_name} at step {loop.global_step} with {loop.labels_obtained} labels")
+        elif args.exploration_load:
+            explored = load_checkpoint(args.path_to_model)
+            restore(explored)
+            rb.load(args.path_to_replay_buffer)
+            print(f"loaded exploration checkpoint at step {loop.global_step}")
+
+        label_log = LabelLog(run_dir / "labels.sqlite")
+        server_process = human_teacher = renderer = None
+        if args.teacher_feedback_mode == "human":
+            if args.feedback_server_autostart:
+                server_process = start_feedback_server(
+                    args.feedback_server_url, run_dir / "feedback_server.log", args.feedback_server_token
+                )
+            client = FeedbackClient(args.feedback_server_url, args.feedback_server_token)
+            feedback_run_id = client.create_run(run_name, args.env_id, {"seed": args.seed, "segment_length": args.segment_length})
+            renderer = SegmentRenderer(args.env_id, args.video_width, args.video_height, shadows=args.clip_shadows)
+            human_teacher = HumanTeacher(
+                client,
+                feedback_run_id,
+                renderer,
+                video_dir / "clips",
+                args.clip_fps,
+                loop.extra.get("feedback_cursor", 0),
+                args.feedback_poll_seconds,
+            )
+            print(f"feedback server: label at {args.feedback_server_url}/ (run {feedback_run_id})")
+        elif args.teacher_feedback_mode == "file":
+            file_segments, file_labels = read_label_file(args.feedback_file)
+            print(f"training from {len(file_labels)} labels in {args.feedback_file}")
+
+        def record_labels(segments: dict, labels: np.ndarray, annotators: list[str]) -> None:
+            answered = ~np.isnan(labels)
+            heldout = rng.random(len(labels)) < args.reward_net_heldout_fraction
+            prefs.add(
+                *(segments[k][answered] for k in ("obs_actions", "masks", "true_rewards", "physics_states")),
+                labels[answered],
+                heldout[answered],
+                loop.global_step,
+            )
+            label_log.append(
+                {k: segments[k][answered] for k in LabelLog.ARRAYS},
+                labels[answered],
+                [a for a, ok in zip(annotators, answered) if ok],
+                loop.sessions_done + 1,
+                loop.global_step,
+            )
+            loop.labels_obtained += int(answered.sum())
+            loop.queries_skipped += int((~answered).sum())
+
+        def ask_for_labels(num_queries: int) -> tuple[dict, np.ndarray, list[str]]:
+            """The session's segments and their labels, from the configured teacher."""
+            if args.teacher_feedback_mode == "file":
+                start = loop.extra.get("file_position", 0)
+                stop = min(start + num_queries, len(file_labels))
+                loop.extra["file_position"] = stop
+                return {k: v[start:stop] for k, v in file_segments.items()}, file_labels[start:stop], ["file"] * (stop - start)
+            # The first session uses uniform sampling: an untrained ensemble's disagreement carries no information.
+            strategy = "uniform" if loop.sessions_done == 0 else args.preference_sampling
+            idx, mask = select_queries(
+                strategy, reward_model, rb, num_queries, args.segment_length, args.preference_sampling_pool_factor, rng, device
+            )
+            segments = gather_segments(rb, idx, mask)
+            if args.teacher_feedback_mode == "simulated":
+                teacher.set_margin(args.segment_length * float(rb.true_rewards[: rb.size].mean()))
+                return segments, teacher.label(segments["true_rewards"]), ["synthetic"] * num_queries
+            try:
+                labels, annotators = human_teacher.label(segments, loop.sessions_done + 1, idx[:, :, 0])
+            except KeyboardInterrupt:
+                record_labels(segments, human_teacher.partial_labels, ["human"] * num_queries)  # keep what people gave
+                raise
+            finally:
+                loop.extra["feedback_cursor"] = human_teacher.cursor
+            return segments, labels, annotators
+
+        def upload_reward_check_clips(step: int) -> None:
+            """Seed 000's 'benchmark rewarder': a few clips ranked by predicted return, to compare with one's own."""
+            idx, mask = rb.sample_segment_pairs(args.feedback_check_clips, args.segment_length, rng)
+            idx, mask = idx[:, 0], mask[:, 0]
+            mean, _ = predict_rewards(reward_model, torch.as_tensor(rb.obs_actions(idx), device=device))
+            predicted = (mean.cpu().numpy() * mask).sum(-1)
+            clips, evaluations = {}, []
+            for i in range(len(idx)):
+                path = human_teacher.render_clip(f"run{feedback_run_id}_check_{step}_{i}.mp4", rb.physics_states[idx[i]], mask[i])
+                clips[path.name] = path
+                evaluations.append({"clip": path.name, "predicted_return": float(predicted[i]), "step": step})
+            human_teacher.client.upload_evaluations(feedback_run_id, evaluations, clips)
+
+        def feedback_session(num_queries: int) -> None:
+            """Select pairs, ask the teacher, fit the reward model, relabel the replay buffer."""
+            session_start = time.time()
+            if snapshot is not None:
+                snapshot["session_started"] = True
+            segments, labels, annotators = ask_for_labels(num_queries)
+            record_labels(segments, labels, annotators)
+            loop.sessions_done += 1
+            stats = train_reward_model(reward_model, reward_optimizer, prefs, rb, args, rng, device)
+            relabel_replay_buffer(reward_model, rb, device, args.relabel_chunk_size)
+            step = loop.global_step
+            if human_teacher is not None and args.feedback_check_clips > 0:
+                upload_reward_check_clips(step)
+            writer.add_scalar("feedback/labels_obtained", loop.labels_obtained, step)
+            writer.add_scalar("feedback/queries_skipped", loop.queries_skipped, step)
+            writer.add_scalar("feedback/sessions", loop.sessions_done, step)
+            writer.add_scalar("feedback/session_seconds", time.time() - session_start, step)
+            writer.add_scalar("reward_model/train_loss", stats["train_loss"], step)
+            writer.add_scalar("reward_model/epochs", stats["epochs"], step)
+            writer.add_scalar("reward_model/train_accuracy", preference_accuracy(reward_model, prefs, prefs.split(False), device), step)
+            writer.add_scalar("reward_model/heldout_accuracy", preference_accuracy(reward_model, prefs, prefs.split(True), device), step)
+            writer.add_scalar("reward_model/reward_correlation", reward_correlation(rb), step)
+            if args.surf:
+                writer.add_scalar("reward_model/ssl_loss", stats["ssl_loss"], step)
+                writer.add_scalar("reward_model/pseudo_labels", stats["pseudo_labels"], step)
+
+        def evaluate(step: int) -> None:
+            video = video_dir / f"eval_step_{step}.mp4" if args.capture_video else None
+            returns = evaluate_policy(
+                PPOPolicy(agent, obs_rms),
+                args.env_id,
+                args.evaluation_episodes,
+                args.seed + 100_000,
+                device,
+                video,
+                args.video_width,
+                args.video_height,
+                args.terminate_when_unhealthy,
+            )
+            loop.last_eval_return = float(np.mean(returns))
+            writer.add_scalar("eval/mean_return", loop.last_eval_return, step)
+            writer.add_scalar("eval/std_return", float(np.std(returns)), step)
+            if video is not None and args.track:
+                import wandb
+
+                wandb.log({"eval/video": wandb.Video(str(video), format="mp4")}, step=step)
+            if on_evaluation is not None:
+                on_evaluation(step, loop.last_eval_return)
+
+        start_time, start_step = time.time(), loop.global_step
+        progress = None
+        if args.progress_bar:
+            from tqdm import tqdm
+
+            progress = tqdm(total=num_iterations * batch_size, initial=loop.global_step, unit="step", dynamic_ncols=True)
+        interrupted, snapshot, last_return = False, None, float("nan")
         try:
-            labels, annotators = human_teacher.label(segments, loop.sessions_done + 1, idx[:, :, 0])
+            while loop.iteration < num_iterations:
+                snapshot = iteration_snapshot()
+                lr = set_learning_rate(optimizer, args, loop.iteration + 1, num_iterations)
+
+                # --- 1. rollout, copied into the replay buffer ---
+                rollout_start = loop.global_step
+                obs, finished = collect_rollout(envs, agent, obs_rms, rollout, obs, episodes, device)
+                loop.global_step += batch_size
+                loop.iteration += 1
+                step = loop.global_step
+                for t, _, episode_return, episode_length in finished:
+                    writer.add_scalar("charts/episodic_return", episode_return, rollout_start + (t + 1) * args.num_envs)
+                    writer.add_scalar("charts/episodic_length", episode_length, rollout_start + (t + 1) * args.num_envs)
+                    last_return = episode_return
+                add_rollout_to_buffer(rb, rollout)
+                obs_rms.update(rollout.raw_obs[rollout.valid])  # for the next rollout: this one keeps its statistics
+
+                # --- 2. feedback session (the first ends exploration) ---
+                if loop.sessions_done < len(schedule) and step > explore_end + loop.sessions_done * args.teacher_feedback_frequency:
+                    feedback_session(schedule[loop.sessions_done])
+                if len(prefs) > 0 and args.unsupervised_exploration and not loop.critic_reset:
+                    agent.reset_critic(optimizer)  # values of the intrinsic reward mean nothing for the learned one
+                    return_rms.reset()
+                    loop.critic_reset = True
+
+                # --- 3. the rollout's rewards, GAE, PPO update ---
+                learn = True
+                if len(prefs) > 0:
+                    beta = rune_beta(args.rune_beta, args.rune_beta_decay, rollout_start) if args.rune else 0.0
+                    relabel_rollout(reward_model, rollout, device, args.relabel_chunk_size, beta)
+                    slots = rollout.rb_index[rollout.valid]
+                    rb.learned_rewards[slots], rb.reward_std[slots] = (
+                        rollout.learned_rewards[rollout.valid],
+                        rollout.reward_std[rollout.valid],
+                    )
+                    if args.rune:
+                        writer.add_scalar("rune/beta", beta, step)
+                elif args.unsupervised_exploration:
+                    explore_rewards(rollout, rb, intrinsic_rms, args, rng, device)
+                    writer.add_scalar("exploration/intrinsic_reward", float(rollout.rewards[rollout.valid].mean()), step)
+                else:
+                    learn = False  # no labels yet (or none given): nothing to learn from
+                if learn:
+                    rewards = return_rms.scale(rollout.rewards, rollout.terminated | rollout.truncated, rollout.valid)
+                    stats = train_on_rollout(agent, optimizer, rollout, rewards, args, rng, device)
+                    writer.add_scalar("charts/learning_rate", lr, step)
+                    for name, value in stats.items():
+                        writer.add_scalar(f"losses/{name}", value, step)
+                writer.add_scalar("charts/SPS", int((step - start_step) / (time.time() - start_time)), step)
+                snapshot = None  # the iteration is complete
+                if progress is not None:
+                    progress.set_postfix(
+                        ret=f"{last_return:.0f}", eval=f"{loop.last_eval_return:.0f}", labels=loop.labels_obtained, refresh=False
+                    )
+                    progress.update(step - progress.n)
+
+                # --- evaluate, checkpoint ---
+                if explore_end > 0 and step == explore_end and not args.exploration_load:
+                    save_checkpoint(model_dir / str(step), checkpoint_state(), rb)  # reusable: --exploration-load
+                if crossed(args.evaluation_frequency, step - batch_size, step) and loop.iteration < num_iterations:
+                    evaluate(step)
+                if crossed(args.checkpoint_frequency, step - batch_size, step) and loop.iteration < num_iterations:
+                    save_checkpoint(model_dir / "latest", checkpoint_state(), rb)
         except KeyboardInterrupt:
-            record_labels(segments, human_teacher.partial_labels, ["human"] * num_queries)  # keep what people gave
-            raise
+            interrupted = True
+            print(
+                f"\ninterrupted at step {loop.global_step}: saving models/{run_name}/latest (from the iteration's start if mid-iteration)"
+            )
         finally:
-            loop.extra["feedback_cursor"] = human_teacher.cursor
-        return segments, labels, annotators
+            wall = time.time() - start_time  # training time: periodic evaluations included, the final one not
+            save_checkpoint(model_dir / "latest", checkpoint_state() if snapshot is None else interrupted_state(snapshot), rb)
+            if progress is not None:
+                progress.close()
+            label_log.close()
+            if renderer is not None:
+                renderer.close()
+            if server_process is not None:
+                server_process.terminate()
+                server_process.wait(timeout=10)
 
-    def upload_reward_check_clips(step: int) -> None:
-        """Seed 000's 'benchmark rewarder': a few clips ranked by predicted return, to compare with one's own."""
-        idx, mask = rb.sample_segment_pairs(args.feedback_check_clips, args.segment_length, rng)
-        idx, mask = idx[:, 0], mask[:, 0]
-        mean, _ = predict_rewards(reward_model, torch.as_tensor(rb.obs_actions(idx), device=device))
-        predicted = (mean.cpu().numpy() * mask).sum(-1)
-        clips, evaluations = {}, []
-        for i in range(len(idx)):
-            path = human_teacher.render_clip(f"run{feedback_run_id}_check_{step}_{i}.mp4", rb.physics_states[idx[i]], mask[i])
-            clips[path.name] = path
-            evaluations.append({"clip": path.name, "predicted_return": float(predicted[i]), "step": step})
-        human_teacher.client.upload_evaluations(feedback_run_id, evaluations, clips)
-
-    def feedback_session(num_queries: int) -> None:
-        """Select pairs, ask the teacher, fit the reward model, relabel the replay buffer."""
-        session_start = time.time()
-        if snapshot is not None:
-            snapshot["session_started"] = True
-        segments, labels, annotators = ask_for_labels(num_queries)
-        record_labels(segments, labels, annotators)
-        loop.sessions_done += 1
-        stats = train_reward_model(reward_model, reward_optimizer, prefs, rb, args, rng, device)
-        relabel_replay_buffer(reward_model, rb, device, args.relabel_chunk_size)
-        step = loop.global_step
-        if human_teacher is not None and args.feedback_check_clips > 0:
-            upload_reward_check_clips(step)
-        writer.add_scalar("feedback/labels_obtained", loop.labels_obtained, step)
-        writer.add_scalar("feedback/queries_skipped", loop.queries_skipped, step)
-        writer.add_scalar("feedback/sessions", loop.sessions_done, step)
-        writer.add_scalar("feedback/session_seconds", time.time() - session_start, step)
-        writer.add_scalar("reward_model/train_loss", stats["train_loss"], step)
-        writer.add_scalar("reward_model/epochs", stats["epochs"], step)
-        writer.add_scalar("reward_model/train_accuracy", preference_accuracy(reward_model, prefs, prefs.split(False), device), step)
-        writer.add_scalar("reward_model/heldout_accuracy", preference_accuracy(reward_model, prefs, prefs.split(True), device), step)
-        writer.add_scalar("reward_model/reward_correlation", reward_correlation(rb), step)
-        if args.surf:
-            writer.add_scalar("reward_model/ssl_loss", stats["ssl_loss"], step)
-            writer.add_scalar("reward_model/pseudo_labels", stats["pseudo_labels"], step)
-
-    def evaluate(step: int) -> None:
-        video = video_dir / f"eval_step_{step}.mp4" if args.capture_video else None
-        returns = evaluate_policy(
-            PPOPolicy(agent, obs_rms),
-            args.env_id,
-            args.evaluation_episodes,
-            args.seed + 100_000,
-            device,
-            video,
-            args.video_width,
-            args.video_height,
-            args.terminate_when_unhealthy,
-        )
-        loop.last_eval_return = float(np.mean(returns))
-        writer.add_scalar("eval/mean_return", loop.last_eval_return, step)
-        writer.add_scalar("eval/std_return", float(np.std(returns)), step)
-        if video is not None and args.track:
+        if not interrupted:
+            evaluate(loop.global_step)
+        summary = {
+            "run_name": run_name,
+            "algorithm": "pref_ppo",
+            "env_id": args.env_id,
+            "teacher_feedback_mode": args.teacher_feedback_mode,
+            "global_step": loop.global_step,
+            "final_eval_return": loop.last_eval_return,
+            "labels_obtained": loop.labels_obtained,
+            "queries_skipped": loop.queries_skipped,
+            "feedback_sessions": loop.sessions_done,
+            "train_accuracy": preference_accuracy(reward_model, prefs, prefs.split(False), device),
+            "heldout_accuracy": preference_accuracy(reward_model, prefs, prefs.split(True), device),
+            "reward_correlation": reward_correlation(rb),
+            "wall_seconds": wall,
+            "sps": (loop.global_step - start_step) / wall,
+            "interrupted": interrupted,
+        }
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        if interrupted:
+            raise KeyboardInterrupt
+        return summary
+    finally:
+        envs.close()
+        writer.close()
+        if args.track:
             import wandb
 
-            wandb.log({"eval/video": wandb.Video(str(video), format="mp4")}, step=step)
-        if on_evaluation is not None:
-            on_evaluation(step, loop.last_eval_return)
-
-    start_time, start_step = time.time(), loop.global_step
-    progress = None
-    if args.progress_bar:
-        from tqdm import tqdm
-
-        progress = tqdm(total=num_iterations * batch_size, initial=loop.global_step, unit="step", dynamic_ncols=True)
-    interrupted, snapshot, last_return = False, None, float("nan")
-    try:
-        while loop.iteration < num_iterations:
-            snapshot = iteration_snapshot()
-            lr = set_learning_rate(optimizer, args, loop.iteration + 1, num_iterations)
-
-            # --- 1. rollout, copied into the replay buffer ---
-            rollout_start = loop.global_step
-            obs, finished = collect_rollout(envs, agent, obs_rms, rollout, obs, episodes, device)
-            loop.global_step += batch_size
-            loop.iteration += 1
-            step = loop.global_step
-            for t, _, episode_return, episode_length in finished:
-                writer.add_scalar("charts/episodic_return", episode_return, rollout_start + (t + 1) * args.num_envs)
-                writer.add_scalar("charts/episodic_length", episode_length, rollout_start + (t + 1) * args.num_envs)
-                last_return = episode_return
-            add_rollout_to_buffer(rb, rollout)
-            obs_rms.update(rollout.raw_obs[rollout.valid])  # for the next rollout: this one keeps its statistics
-
-            # --- 2. feedback session (the first ends exploration) ---
-            if loop.sessions_done < len(schedule) and step > explore_end + loop.sessions_done * args.teacher_feedback_frequency:
-                feedback_session(schedule[loop.sessions_done])
-            if len(prefs) > 0 and args.unsupervised_exploration and not loop.critic_reset:
-                agent.reset_critic(optimizer)  # values of the intrinsic reward mean nothing for the learned one
-                return_rms.reset()
-                loop.critic_reset = True
-
-            # --- 3. the rollout's rewards, GAE, PPO update ---
-            learn = True
-            if len(prefs) > 0:
-                beta = rune_beta(args.rune_beta, args.rune_beta_decay, rollout_start) if args.rune else 0.0
-                relabel_rollout(reward_model, rollout, device, args.relabel_chunk_size, beta)
-                slots = rollout.rb_index[rollout.valid]
-                rb.learned_rewards[slots], rb.reward_std[slots] = rollout.learned_rewards[rollout.valid], rollout.reward_std[rollout.valid]
-                if args.rune:
-                    writer.add_scalar("rune/beta", beta, step)
-            elif args.unsupervised_exploration:
-                explore_rewards(rollout, rb, intrinsic_rms, args, rng, device)
-                writer.add_scalar("exploration/intrinsic_reward", float(rollout.rewards[rollout.valid].mean()), step)
-            else:
-                learn = False  # no labels yet (or none given): nothing to learn from
-            if learn:
-                rewards = return_rms.scale(rollout.rewards, rollout.terminated | rollout.truncated, rollout.valid)
-                stats = train_on_rollout(agent, optimizer, rollout, rewards, args, rng, device)
-                writer.add_scalar("charts/learning_rate", lr, step)
-                for name, value in stats.items():
-                    writer.add_scalar(f"losses/{name}", value, step)
-            writer.add_scalar("charts/SPS", int((step - start_step) / (time.time() - start_time)), step)
-            snapshot = None  # the iteration is complete
-            if progress is not None:
-                progress.set_postfix(
-                    ret=f"{last_return:.0f}", eval=f"{loop.last_eval_return:.0f}", labels=loop.labels_obtained, refresh=False
-                )
-                progress.update(step - progress.n)
-
-            # --- evaluate, checkpoint ---
-            if explore_end > 0 and step == explore_end and not args.exploration_load:
-                save_checkpoint(model_dir / str(step), checkpoint_state(), rb)  # reusable: --exploration-load
-            if crossed(args.evaluation_frequency, step - batch_size, step) and loop.iteration < num_iterations:
-                evaluate(step)
-            if crossed(args.checkpoint_frequency, step - batch_size, step) and loop.iteration < num_iterations:
-                save_checkpoint(model_dir / "latest", checkpoint_state(), rb)
-    except KeyboardInterrupt:
-        interrupted = True
-        print(f"\ninterrupted at step {loop.global_step}: saving models/{run_name}/latest (from the iteration's start if mid-iteration)")
-    finally:
-        wall = time.time() - start_time  # training time: periodic evaluations included, the final one not
-        save_checkpoint(model_dir / "latest", checkpoint_state() if snapshot is None else interrupted_state(snapshot), rb)
-        if progress is not None:
-            progress.close()
-        label_log.close()
-        if renderer is not None:
-            renderer.close()
-        if server_process is not None:
-            server_process.terminate()
-            server_process.wait(timeout=10)
-
-    if not interrupted:
-        evaluate(loop.global_step)
-    summary = {
-        "run_name": run_name,
-        "algorithm": "pref_ppo",
-        "env_id": args.env_id,
-        "teacher_feedback_mode": args.teacher_feedback_mode,
-        "global_step": loop.global_step,
-        "final_eval_return": loop.last_eval_return,
-        "labels_obtained": loop.labels_obtained,
-        "queries_skipped": loop.queries_skipped,
-        "feedback_sessions": loop.sessions_done,
-        "train_accuracy": preference_accuracy(reward_model, prefs, prefs.split(False), device),
-        "heldout_accuracy": preference_accuracy(reward_model, prefs, prefs.split(True), device),
-        "reward_correlation": reward_correlation(rb),
-        "wall_seconds": wall,
-        "sps": (loop.global_step - start_step) / wall,
-        "interrupted": interrupted,
-    }
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    envs.close()
-    writer.close()
-    if args.track:
-        import wandb
-
-        wandb.finish()
-    if interrupted:
-        raise KeyboardInterrupt
-    return summary
+            wandb.finish()
 
 
 def cli() -> None:

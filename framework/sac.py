@@ -50,105 +50,106 @@ def main(args: Args, on_evaluation: Callable[[int, float], None] | None = None) 
     run_name = args.run_name or default_run_name(args)
     run_dir, model_dir, video_dir = Path("runs") / run_name, Path("models") / run_name, Path("videos") / run_name
     writer = start_logging(args, run_name, run_dir)
+    try:  # closed however the run ends, e.g. when a sweep prunes it from on_evaluation
+        device, rng = seed_everything(args)
 
-    device, rng = seed_everything(args)
+        obs, _ = envs.reset(seed=args.seed)
+        obs_dim = int(np.prod(envs.single_observation_space.shape))
+        action_space = envs.single_action_space
+        action_dim = int(np.prod(action_space.shape))
+        agent = SACAgent(obs_dim, action_space, args, device)
+        rb = ReplayBuffer(min(args.buffer_size, args.total_timesteps), obs_dim, action_dim, physics_state_size(envs.envs[0]))
 
-    obs, _ = envs.reset(seed=args.seed)
-    obs_dim = int(np.prod(envs.single_observation_space.shape))
-    action_space = envs.single_action_space
-    action_dim = int(np.prod(action_space.shape))
-    agent = SACAgent(obs_dim, action_space, args, device)
-    rb = ReplayBuffer(min(args.buffer_size, args.total_timesteps), obs_dim, action_dim, physics_state_size(envs.envs[0]))
+        progress = None
+        if args.progress_bar:
+            from tqdm import tqdm
 
-    progress = None
-    if args.progress_bar:
-        from tqdm import tqdm
+            progress = tqdm(total=args.total_timesteps, unit="step", dynamic_ncols=True)
+        start_time, episode_id, episode_return, episode_length, last_eval = time.time(), 0, 0.0, 0, float("nan")
 
-        progress = tqdm(total=args.total_timesteps, unit="step", dynamic_ncols=True)
-    start_time, episode_id, episode_return, episode_length, last_eval = time.time(), 0, 0.0, 0, float("nan")
-
-    def evaluate(step: int) -> float:
-        video = video_dir / f"eval_step_{step}.mp4" if args.capture_video else None
-        returns = evaluate_policy(
-            agent.actor,
-            args.env_id,
-            args.evaluation_episodes,
-            args.seed + 100_000,
-            device,
-            video,
-            args.video_width,
-            args.video_height,
-            args.terminate_when_unhealthy,
-        )
-        writer.add_scalar("eval/mean_return", float(np.mean(returns)), step)
-        writer.add_scalar("eval/std_return", float(np.std(returns)), step)
-        if on_evaluation is not None:
-            on_evaluation(step, float(np.mean(returns)))
-        return float(np.mean(returns))
-
-    for global_step in range(args.total_timesteps):
-        if global_step < args.learning_starts:
-            actions = rng.uniform(action_space.low, action_space.high, size=(1, action_dim)).astype(np.float32)
-        else:
-            with torch.no_grad():
-                actions, _, _ = agent.actor.get_action(torch.as_tensor(obs, dtype=torch.float32, device=device))
-            actions = actions.cpu().numpy()
-        physics_state = get_physics_state(envs.envs[0])
-        autoreset = bool(envs._autoreset_envs[0])
-        next_obs, rewards, terminations, truncations, _ = envs.step(actions)
-        if not autoreset:  # next-step autoreset: the reset step is not a transition
-            rb.add(obs[0], next_obs[0], actions[0], rewards[0], terminations[0], episode_id, physics_state)
-            episode_return, episode_length = episode_return + float(rewards[0]), episode_length + 1
-            if terminations[0] or truncations[0]:
-                writer.add_scalar("charts/episodic_return", episode_return, global_step)
-                writer.add_scalar("charts/episodic_length", episode_length, global_step)
-                if progress is not None:
-                    progress.set_postfix(ret=f"{episode_return:.0f}", eval=f"{last_eval:.0f}", refresh=False)
-                episode_id, episode_return, episode_length = episode_id + 1, 0.0, 0
-        obs = next_obs
-
-        if global_step >= args.learning_starts:
-            idx = rb.sample_indices(args.batch_size, rng)
-            stats = agent.update(
-                torch.as_tensor(rb.obs[idx], device=device),
-                torch.as_tensor(rb.actions[idx], device=device),
-                torch.as_tensor(rb.true_rewards[idx], device=device),
-                torch.as_tensor(rb.next_obs[idx], device=device),
-                torch.as_tensor(rb.terminated[idx], device=device),
-                global_step,
+        def evaluate(step: int) -> float:
+            video = video_dir / f"eval_step_{step}.mp4" if args.capture_video else None
+            returns = evaluate_policy(
+                agent.actor,
+                args.env_id,
+                args.evaluation_episodes,
+                args.seed + 100_000,
+                device,
+                video,
+                args.video_width,
+                args.video_height,
+                args.terminate_when_unhealthy,
             )
+            writer.add_scalar("eval/mean_return", float(np.mean(returns)), step)
+            writer.add_scalar("eval/std_return", float(np.std(returns)), step)
+            if on_evaluation is not None:
+                on_evaluation(step, float(np.mean(returns)))
+            return float(np.mean(returns))
+
+        for global_step in range(args.total_timesteps):
+            if global_step < args.learning_starts:
+                actions = rng.uniform(action_space.low, action_space.high, size=(1, action_dim)).astype(np.float32)
+            else:
+                with torch.no_grad():
+                    actions, _, _ = agent.actor.get_action(torch.as_tensor(obs, dtype=torch.float32, device=device))
+                actions = actions.cpu().numpy()
+            physics_state = get_physics_state(envs.envs[0])
+            autoreset = bool(envs._autoreset_envs[0])
+            next_obs, rewards, terminations, truncations, _ = envs.step(actions)
+            if not autoreset:  # next-step autoreset: the reset step is not a transition
+                rb.add(obs[0], next_obs[0], actions[0], rewards[0], terminations[0], episode_id, physics_state)
+                episode_return, episode_length = episode_return + float(rewards[0]), episode_length + 1
+                if terminations[0] or truncations[0]:
+                    writer.add_scalar("charts/episodic_return", episode_return, global_step)
+                    writer.add_scalar("charts/episodic_length", episode_length, global_step)
+                    if progress is not None:
+                        progress.set_postfix(ret=f"{episode_return:.0f}", eval=f"{last_eval:.0f}", refresh=False)
+                    episode_id, episode_return, episode_length = episode_id + 1, 0.0, 0
+            obs = next_obs
+
+            if global_step >= args.learning_starts:
+                idx = rb.sample_indices(args.batch_size, rng)
+                stats = agent.update(
+                    torch.as_tensor(rb.obs[idx], device=device),
+                    torch.as_tensor(rb.actions[idx], device=device),
+                    torch.as_tensor(rb.true_rewards[idx], device=device),
+                    torch.as_tensor(rb.next_obs[idx], device=device),
+                    torch.as_tensor(rb.terminated[idx], device=device),
+                    global_step,
+                )
+                if global_step % 100 == 0:
+                    for name, value in stats.items():
+                        writer.add_scalar(f"losses/{name}", float(value), global_step)
             if global_step % 100 == 0:
-                for name, value in stats.items():
-                    writer.add_scalar(f"losses/{name}", float(value), global_step)
-        if global_step % 100 == 0:
-            writer.add_scalar("charts/SPS", int((global_step + 1) / (time.time() - start_time)), global_step)
-            if progress is not None:
-                progress.update(global_step + 1 - progress.n)
-        if args.evaluation_frequency and (global_step + 1) % args.evaluation_frequency == 0 and global_step + 1 < args.total_timesteps:
-            last_eval = evaluate(global_step + 1)
+                writer.add_scalar("charts/SPS", int((global_step + 1) / (time.time() - start_time)), global_step)
+                if progress is not None:
+                    progress.update(global_step + 1 - progress.n)
+            if args.evaluation_frequency and (global_step + 1) % args.evaluation_frequency == 0 and global_step + 1 < args.total_timesteps:
+                last_eval = evaluate(global_step + 1)
 
-    if progress is not None:
-        progress.update(args.total_timesteps - progress.n)
-        progress.close()
-    wall = time.time() - start_time
-    last_eval = evaluate(args.total_timesteps)
-    save_checkpoint(model_dir / "latest", {"run_name": run_name, "args": asdict(args), "agent": agent.state_dict()}, rb)
-    summary = {
-        "run_name": run_name,
-        "env_id": args.env_id,
-        "global_step": args.total_timesteps,
-        "final_eval_return": last_eval,
-        "wall_seconds": wall,
-        "sps": args.total_timesteps / wall,
-    }
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    envs.close()
-    writer.close()
-    if args.track:
-        import wandb
+        if progress is not None:
+            progress.update(args.total_timesteps - progress.n)
+            progress.close()
+        wall = time.time() - start_time
+        last_eval = evaluate(args.total_timesteps)
+        save_checkpoint(model_dir / "latest", {"run_name": run_name, "args": asdict(args), "agent": agent.state_dict()}, rb)
+        summary = {
+            "run_name": run_name,
+            "env_id": args.env_id,
+            "global_step": args.total_timesteps,
+            "final_eval_return": last_eval,
+            "wall_seconds": wall,
+            "sps": args.total_timesteps / wall,
+        }
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        return summary
+    finally:
+        envs.close()
+        writer.close()
+        if args.track:
+            import wandb
 
-        wandb.finish()
-    return summary
+            wandb.finish()
 
 
 if __name__ == "__main__":

@@ -1612,337 +1612,357 @@ def main(args: Args, on_evaluation: Callable[[int, float], None] | None = None) 
     )
 
     writer = start_logging(args, run_name, run_dir)
+    try:  # closed however the run ends, e.g. when a sweep prunes it from on_evaluation
+        device, rng = seed_everything(args)  # rng: replay and segment sampling, random actions, held-out split
 
-    device, rng = seed_everything(args)  # rng: replay and segment sampling, random actions, held-out split
+        obs, _ = envs.reset(seed=args.seed)
+        obs_dim = int(np.prod(envs.single_observation_space.shape))
+        action_space = envs.single_action_space
+        action_dim = int(np.prod(action_space.shape))
+        state_dim = physics_state_size(envs.envs[0])
 
-    obs, _ = envs.reset(seed=args.seed)
-    obs_dim = int(np.prod(envs.single_observation_space.shape))
-    action_space = envs.single_action_space
-    action_dim = int(np.prod(action_space.shape))
-    state_dim = physics_state_size(envs.envs[0])
-
-    agent = SACAgent(obs_dim, action_space, args, device)
-    reward_model = RewardEnsemble(
-        obs_dim + action_dim, args.reward_ensemble_size, args.reward_net_hidden_dim, args.reward_net_hidden_layers, args.reward_net_dropout
-    ).to(device)
-    reward_optimizer = torch.optim.Adam(reward_model.parameters(), lr=args.reward_net_lr)
-    rb = ReplayBuffer(min(args.buffer_size, args.total_timesteps), obs_dim, action_dim, state_dim)
-    prefs = PreferenceBuffer(args.segment_length, obs_dim + action_dim, state_dim)
-    teacher = SyntheticTeacher(
-        args.teacher_beta, args.teacher_gamma, args.teacher_eps_mistake, args.teacher_eps_skip, args.teacher_eps_equal, seed=args.seed + 1
-    )
-    schedule = feedback_schedule(
-        args.teacher_feedback_total_queries,
-        args.teacher_feedback_num_queries_per_session,
-        args.teacher_feedback_schedule,
-        args.teacher_feedback_exponential_decay,
-    )
-    first_feedback_step = args.total_explore_steps if args.unsupervised_exploration else args.learning_starts
-    intrinsic_rms = RunningMeanStd()
-    loop = LoopState()
-
-    def checkpoint_state() -> dict:
-        return {
-            "run_name": run_name, "args": asdict(args), "agent": agent.state_dict(),
-            "reward_model": reward_model.state_dict(), "reward_optimizer": reward_optimizer.state_dict(),
-            "preference_buffer": prefs.state_dict(), "loop": asdict(loop), "intrinsic_rms": intrinsic_rms.state_dict(),
-            "teacher_rng": teacher.rng.bit_generator.state, "rng": rng.bit_generator.state,
-            "torch_rng": torch.get_rng_state(), "env": capture_env_state(envs, obs),
-        }  # fmt: skip
-
-    def restore(state: dict) -> None:
-        nonlocal obs, loop
-        agent.load_state_dict(state["agent"])
-        reward_model.load_state_dict(state["reward_model"])
-        reward_optimizer.load_state_dict(state["reward_optimizer"])
-        prefs.load_state_dict(state["preference_buffer"])
-        intrinsic_rms.load_state_dict(state["intrinsic_rms"])
-        teacher.rng.bit_generator.state = state["teacher_rng"]
-        rng.bit_generator.state = state["rng"]
-        torch.set_rng_state(state["torch_rng"])
-        loop = LoopState(**state["loop"])
-        obs = restore_env_state(envs, state["env"])
-
-    if resume_state is not None:
-        restore(resume_state)
-        rb.load(Path(args.resume) / "replay_buffer.npz")
-        print(f"resumed {run_name} at step {loop.global_step} with {loop.labels_obtained} labels")
-    elif args.exploration_load:
-        explored = load_checkpoint(args.path_to_model)
-        restore(explored)
-        rb.load(args.path_to_replay_buffer)
-        print(f"loaded exploration checkpoint at step {loop.global_step}")
-
-    label_log = LabelLog(run_dir / "labels.sqlite")
-    server_process = human_teacher = renderer = None
-    if args.teacher_feedback_mode == "human":
-        if args.feedback_server_autostart:
-            server_process = start_feedback_server(args.feedback_server_url, run_dir / "feedback_server.log", args.feedback_server_token)
-        client = FeedbackClient(args.feedback_server_url, args.feedback_server_token)
-        feedback_run_id = client.create_run(run_name, args.env_id, {"seed": args.seed, "segment_length": args.segment_length})
-        renderer = SegmentRenderer(args.env_id, args.video_width, args.video_height, shadows=args.clip_shadows)
-        human_teacher = HumanTeacher(
-            client,
-            feedback_run_id,
-            renderer,
-            video_dir / "clips",
-            args.clip_fps,
-            loop.extra.get("feedback_cursor", 0),
-            args.feedback_poll_seconds,
+        agent = SACAgent(obs_dim, action_space, args, device)
+        reward_model = RewardEnsemble(
+            obs_dim + action_dim,
+            args.reward_ensemble_size,
+            args.reward_net_hidden_dim,
+            args.reward_net_hidden_layers,
+            args.reward_net_dropout,
+        ).to(device)
+        reward_optimizer = torch.optim.Adam(reward_model.parameters(), lr=args.reward_net_lr)
+        rb = ReplayBuffer(min(args.buffer_size, args.total_timesteps), obs_dim, action_dim, state_dim)
+        prefs = PreferenceBuffer(args.segment_length, obs_dim + action_dim, state_dim)
+        teacher = SyntheticTeacher(
+            args.teacher_beta,
+            args.teacher_gamma,
+            args.teacher_eps_mistake,
+            args.teacher_eps_skip,
+            args.teacher_eps_equal,
+            seed=args.seed + 1,
         )
-        print(f"feedback server: label at {args.feedback_server_url}/ (run {feedback_run_id})")
-    elif args.teacher_feedback_mode == "file":
-        file_segments, file_labels = read_label_file(args.feedback_file)
-        print(f"training from {len(file_labels)} labels in {args.feedback_file}")
+        schedule = feedback_schedule(
+            args.teacher_feedback_total_queries,
+            args.teacher_feedback_num_queries_per_session,
+            args.teacher_feedback_schedule,
+            args.teacher_feedback_exponential_decay,
+        )
+        first_feedback_step = args.total_explore_steps if args.unsupervised_exploration else args.learning_starts
+        intrinsic_rms = RunningMeanStd()
+        loop = LoopState()
 
-    def record_labels(segments: dict, labels: np.ndarray, annotators: list[str]) -> None:
-        answered = ~np.isnan(labels)
-        heldout = rng.random(len(labels)) < args.reward_net_heldout_fraction
-        prefs.add(
-            *(segments[k][answered] for k in ("obs_actions", "masks", "true_rewards", "physics_states")),
-            labels[answered],
-            heldout[answered],
-            loop.global_step,
-        )
-        label_log.append(
-            {k: segments[k][answered] for k in LabelLog.ARRAYS},
-            labels[answered],
-            [a for a, ok in zip(annotators, answered) if ok],
-            loop.sessions_done + 1,
-            loop.global_step,
-        )
-        loop.labels_obtained += int(answered.sum())
-        loop.queries_skipped += int((~answered).sum())
+        def checkpoint_state() -> dict:
+            return {
+                "run_name": run_name, "args": asdict(args), "agent": agent.state_dict(),
+                "reward_model": reward_model.state_dict(), "reward_optimizer": reward_optimizer.state_dict(),
+                "preference_buffer": prefs.state_dict(), "loop": asdict(loop), "intrinsic_rms": intrinsic_rms.state_dict(),
+                "teacher_rng": teacher.rng.bit_generator.state, "rng": rng.bit_generator.state,
+                "torch_rng": torch.get_rng_state(), "env": capture_env_state(envs, obs),
+            }  # fmt: skip
 
-    def ask_for_labels(num_queries: int) -> tuple[dict, np.ndarray, list[str]]:
-        """The session's segments and their labels, from the configured teacher."""
-        if args.teacher_feedback_mode == "file":
-            start = loop.extra.get("file_position", 0)
-            stop = min(start + num_queries, len(file_labels))
-            loop.extra["file_position"] = stop
-            return {k: v[start:stop] for k, v in file_segments.items()}, file_labels[start:stop], ["file"] * (stop - start)
-        # The first session uses uniform sampling: an untrained ensemble's disagreement carries no information.
-        strategy = "uniform" if loop.sessions_done == 0 else args.preference_sampling
-        idx, mask = select_queries(
-            strategy, reward_model, rb, num_queries, args.segment_length, args.preference_sampling_pool_factor, rng, device
-        )
-        segments = gather_segments(rb, idx, mask)
-        if args.teacher_feedback_mode == "simulated":
-            teacher.set_margin(args.segment_length * float(rb.true_rewards[: rb.size].mean()))
-            return segments, teacher.label(segments["true_rewards"]), ["synthetic"] * num_queries
+        def restore(state: dict) -> None:
+            nonlocal obs, loop
+            agent.load_state_dict(state["agent"])
+            reward_model.load_state_dict(state["reward_model"])
+            reward_optimizer.load_state_dict(state["reward_optimizer"])
+            prefs.load_state_dict(state["preference_buffer"])
+            intrinsic_rms.load_state_dict(state["intrinsic_rms"])
+            teacher.rng.bit_generator.state = state["teacher_rng"]
+            rng.bit_generator.state = state["rng"]
+            torch.set_rng_state(state["torch_rng"])
+            loop = LoopState(**state["loop"])
+            obs = restore_env_state(envs, state["env"])
+
+        if resume_state is not None:
+            restore(resume_state)
+            rb.load(Path(args.resume) / "replay_buffer.npz")
+            print(f"resumed {run_name} at step {loop.global_step} with {loop.labels_obtained} labels")
+        elif args.exploration_load:
+            explored = load_checkpoint(args.path_to_model)
+            restore(explored)
+            rb.load(args.path_to_replay_buffer)
+            print(f"loaded exploration checkpoint at step {loop.global_step}")
+
+        label_log = LabelLog(run_dir / "labels.sqlite")
+        server_process = human_teacher = renderer = None
+        if args.teacher_feedback_mode == "human":
+            if args.feedback_server_autostart:
+                server_process = start_feedback_server(
+                    args.feedback_server_url, run_dir / "feedback_server.log", args.feedback_server_token
+                )
+            client = FeedbackClient(args.feedback_server_url, args.feedback_server_token)
+            feedback_run_id = client.create_run(run_name, args.env_id, {"seed": args.seed, "segment_length": args.segment_length})
+            renderer = SegmentRenderer(args.env_id, args.video_width, args.video_height, shadows=args.clip_shadows)
+            human_teacher = HumanTeacher(
+                client,
+                feedback_run_id,
+                renderer,
+                video_dir / "clips",
+                args.clip_fps,
+                loop.extra.get("feedback_cursor", 0),
+                args.feedback_poll_seconds,
+            )
+            print(f"feedback server: label at {args.feedback_server_url}/ (run {feedback_run_id})")
+        elif args.teacher_feedback_mode == "file":
+            file_segments, file_labels = read_label_file(args.feedback_file)
+            print(f"training from {len(file_labels)} labels in {args.feedback_file}")
+
+        def record_labels(segments: dict, labels: np.ndarray, annotators: list[str]) -> None:
+            answered = ~np.isnan(labels)
+            heldout = rng.random(len(labels)) < args.reward_net_heldout_fraction
+            prefs.add(
+                *(segments[k][answered] for k in ("obs_actions", "masks", "true_rewards", "physics_states")),
+                labels[answered],
+                heldout[answered],
+                loop.global_step,
+            )
+            label_log.append(
+                {k: segments[k][answered] for k in LabelLog.ARRAYS},
+                labels[answered],
+                [a for a, ok in zip(annotators, answered) if ok],
+                loop.sessions_done + 1,
+                loop.global_step,
+            )
+            loop.labels_obtained += int(answered.sum())
+            loop.queries_skipped += int((~answered).sum())
+
+        def ask_for_labels(num_queries: int) -> tuple[dict, np.ndarray, list[str]]:
+            """The session's segments and their labels, from the configured teacher."""
+            if args.teacher_feedback_mode == "file":
+                start = loop.extra.get("file_position", 0)
+                stop = min(start + num_queries, len(file_labels))
+                loop.extra["file_position"] = stop
+                return {k: v[start:stop] for k, v in file_segments.items()}, file_labels[start:stop], ["file"] * (stop - start)
+            # The first session uses uniform sampling: an untrained ensemble's disagreement carries no information.
+            strategy = "uniform" if loop.sessions_done == 0 else args.preference_sampling
+            idx, mask = select_queries(
+                strategy, reward_model, rb, num_queries, args.segment_length, args.preference_sampling_pool_factor, rng, device
+            )
+            segments = gather_segments(rb, idx, mask)
+            if args.teacher_feedback_mode == "simulated":
+                teacher.set_margin(args.segment_length * float(rb.true_rewards[: rb.size].mean()))
+                return segments, teacher.label(segments["true_rewards"]), ["synthetic"] * num_queries
+            try:
+                labels, annotators = human_teacher.label(segments, loop.sessions_done + 1, idx[:, :, 0])
+            except KeyboardInterrupt:
+                record_labels(segments, human_teacher.partial_labels, ["human"] * num_queries)  # keep what people gave
+                raise
+            finally:
+                loop.extra["feedback_cursor"] = human_teacher.cursor
+            return segments, labels, annotators
+
+        def upload_reward_check_clips(step: int) -> None:
+            """Seed 000's 'benchmark rewarder': a few clips ranked by predicted return, to compare with one's own."""
+            idx, mask = rb.sample_segment_pairs(args.feedback_check_clips, args.segment_length, rng)
+            idx, mask = idx[:, 0], mask[:, 0]
+            mean, _ = predict_rewards(reward_model, torch.as_tensor(rb.obs_actions(idx), device=device))
+            predicted = (mean.cpu().numpy() * mask).sum(-1)
+            clips, evaluations = {}, []
+            for i in range(len(idx)):
+                path = human_teacher.render_clip(f"run{feedback_run_id}_check_{step}_{i}.mp4", rb.physics_states[idx[i]], mask[i])
+                clips[path.name] = path
+                evaluations.append({"clip": path.name, "predicted_return": float(predicted[i]), "step": step})
+            human_teacher.client.upload_evaluations(feedback_run_id, evaluations, clips)
+
+        def feedback_session(num_queries: int) -> None:
+            """Select pairs, ask the teacher, fit the reward model, relabel the replay buffer."""
+            session_start = time.time()
+            segments, labels, annotators = ask_for_labels(num_queries)
+            record_labels(segments, labels, annotators)
+            loop.sessions_done += 1
+            stats = train_reward_model(reward_model, reward_optimizer, prefs, rb, args, rng, device)
+            relabel_replay_buffer(reward_model, rb, device, args.relabel_chunk_size)
+            step = loop.global_step
+            if human_teacher is not None and args.feedback_check_clips > 0:
+                upload_reward_check_clips(step)
+            writer.add_scalar("feedback/labels_obtained", loop.labels_obtained, step)
+            writer.add_scalar("feedback/queries_skipped", loop.queries_skipped, step)
+            writer.add_scalar("feedback/sessions", loop.sessions_done, step)
+            writer.add_scalar("feedback/session_seconds", time.time() - session_start, step)
+            writer.add_scalar("reward_model/train_loss", stats["train_loss"], step)
+            writer.add_scalar("reward_model/epochs", stats["epochs"], step)
+            writer.add_scalar("reward_model/train_accuracy", preference_accuracy(reward_model, prefs, prefs.split(False), device), step)
+            writer.add_scalar("reward_model/heldout_accuracy", preference_accuracy(reward_model, prefs, prefs.split(True), device), step)
+            writer.add_scalar("reward_model/reward_correlation", reward_correlation(rb), step)
+            if args.surf:
+                writer.add_scalar("reward_model/ssl_loss", stats["ssl_loss"], step)
+                writer.add_scalar("reward_model/pseudo_labels", stats["pseudo_labels"], step)
+
+        def evaluate(step: int) -> None:
+            video = video_dir / f"eval_step_{step}.mp4" if args.capture_video else None
+            returns = evaluate_policy(
+                agent.actor,
+                args.env_id,
+                args.evaluation_episodes,
+                args.seed + 100_000,
+                device,
+                video,
+                args.video_width,
+                args.video_height,
+                args.terminate_when_unhealthy,
+            )
+            loop.last_eval_return = float(np.mean(returns))
+            writer.add_scalar("eval/mean_return", loop.last_eval_return, step)
+            writer.add_scalar("eval/std_return", float(np.std(returns)), step)
+            if video is not None and args.track:
+                import wandb
+
+                wandb.log({"eval/video": wandb.Video(str(video), format="mp4")}, step=step)
+            if on_evaluation is not None:
+                on_evaluation(step, loop.last_eval_return)
+
+        start_time, start_step = time.time(), loop.global_step
+        progress = None
+        if args.progress_bar:
+            from tqdm import tqdm
+
+            progress = tqdm(total=args.total_timesteps, initial=loop.global_step, unit="step", dynamic_ncols=True)
+        interrupted = False
         try:
-            labels, annotators = human_teacher.label(segments, loop.sessions_done + 1, idx[:, :, 0])
+            while loop.global_step < args.total_timesteps:
+                step = loop.global_step
+                # --- feedback session (the first ends exploration) ---
+                if (
+                    step >= first_feedback_step
+                    and loop.sessions_done < len(schedule)
+                    and (step - first_feedback_step) % args.teacher_feedback_frequency == 0
+                ):
+                    feedback_session(schedule[loop.sessions_done])
+                if step >= first_feedback_step and not loop.critic_reset and len(prefs) > 0:
+                    agent.reset_critic()  # Q-values of the intrinsic reward mean nothing for the learned one
+                    loop.critic_reset = True
+
+                # --- act ---
+                if step < args.learning_starts:
+                    actions = rng.uniform(action_space.low, action_space.high, size=(1, action_dim)).astype(np.float32)
+                else:
+                    with torch.no_grad():
+                        actions, _, _ = agent.actor.get_action(torch.as_tensor(obs, dtype=torch.float32, device=device))
+                    actions = actions.cpu().numpy()
+                physics_state = get_physics_state(envs.envs[0])
+                autoreset = bool(envs._autoreset_envs[0])
+                next_obs, rewards, terminations, truncations, infos = envs.step(actions)
+
+                # With next-step autoreset, the step after an episode end only resets: never store it.
+                if not autoreset:
+                    i = rb.add(obs[0], next_obs[0], actions[0], rewards[0], terminations[0], loop.episode_id, physics_state)
+                    if len(prefs) > 0:
+                        mean, std = predict_rewards(reward_model, torch.as_tensor(rb.obs_actions(np.array([i])), device=device))
+                        rb.learned_rewards[i], rb.reward_std[i] = float(mean), float(std)
+                    loop.episode_return += float(rewards[0])
+                    loop.episode_length += 1
+                    if terminations[0] or truncations[0]:
+                        writer.add_scalar("charts/episodic_return", loop.episode_return, step)
+                        writer.add_scalar("charts/episodic_length", loop.episode_length, step)
+                        if progress is not None:
+                            progress.set_postfix(
+                                ret=f"{loop.episode_return:.0f}",
+                                eval=f"{loop.last_eval_return:.0f}",
+                                labels=loop.labels_obtained,
+                                refresh=False,
+                            )
+                        loop.episode_id += 1
+                        loop.episode_return, loop.episode_length = 0.0, 0
+                obs = next_obs
+                loop.global_step += 1
+
+                # --- learn ---
+                if step >= args.learning_starts and (len(prefs) > 0 or args.unsupervised_exploration):
+                    idx = rb.sample_indices(args.batch_size, rng)
+                    batch_obs = torch.as_tensor(rb.obs[idx], device=device)
+                    batch_next_obs = torch.as_tensor(rb.next_obs[idx], device=device)
+                    if len(prefs) == 0:  # unsupervised exploration: state entropy of the reached states
+                        reference = torch.as_tensor(
+                            rb.next_obs[rb.sample_indices(min(args.explore_knn_sample_size, rb.size), rng)], device=device
+                        )
+                        intrinsic = knn_state_entropy(batch_next_obs, reference, min(args.explore_knn_k, len(reference)))
+                        intrinsic_rms.update(intrinsic)
+                        batch_rewards = intrinsic / intrinsic_rms.std
+                        if step % 100 == 0:
+                            writer.add_scalar("exploration/intrinsic_reward", float(batch_rewards.mean()), step)
+                    else:
+                        batch_rewards = torch.as_tensor(rb.learned_rewards[idx], device=device)
+                        if args.rune:
+                            beta = rune_beta(args.rune_beta, args.rune_beta_decay, step)
+                            batch_rewards = batch_rewards + beta * torch.as_tensor(rb.reward_std[idx], device=device)
+                            if step % 100 == 0:
+                                writer.add_scalar("rune/beta", beta, step)
+                    stats = agent.update(
+                        batch_obs,
+                        torch.as_tensor(rb.actions[idx], device=device),
+                        batch_rewards,
+                        batch_next_obs,
+                        torch.as_tensor(rb.terminated[idx], device=device),
+                        step,
+                    )
+                    if step % 100 == 0:
+                        for name, value in stats.items():
+                            writer.add_scalar(f"losses/{name}", float(value), step)
+                if step % 100 == 0:
+                    sps = int((loop.global_step - start_step) / (time.time() - start_time))
+                    writer.add_scalar("charts/SPS", sps, step)
+                    if progress is not None:
+                        progress.update(loop.global_step - progress.n)
+
+                # --- evaluate, checkpoint ---
+                if args.unsupervised_exploration and loop.global_step == args.total_explore_steps and not args.exploration_load:
+                    save_checkpoint(model_dir / str(loop.global_step), checkpoint_state(), rb)  # reusable: --exploration-load
+                if (
+                    args.evaluation_frequency
+                    and loop.global_step % args.evaluation_frequency == 0
+                    and loop.global_step < args.total_timesteps
+                ):
+                    evaluate(loop.global_step)
+                if (
+                    args.checkpoint_frequency
+                    and loop.global_step % args.checkpoint_frequency == 0
+                    and loop.global_step < args.total_timesteps
+                ):
+                    save_checkpoint(model_dir / "latest", checkpoint_state(), rb)
         except KeyboardInterrupt:
-            record_labels(segments, human_teacher.partial_labels, ["human"] * num_queries)  # keep what people gave
-            raise
+            interrupted = True
+            print(f"\ninterrupted at step {loop.global_step}: saving models/{run_name}/latest")
         finally:
-            loop.extra["feedback_cursor"] = human_teacher.cursor
-        return segments, labels, annotators
+            wall = time.time() - start_time  # training time: periodic evaluations included, the final one not
+            save_checkpoint(model_dir / "latest", checkpoint_state(), rb)
+            if progress is not None:
+                progress.update(loop.global_step - progress.n)
+                progress.close()
+            label_log.close()
+            if renderer is not None:
+                renderer.close()
+            if server_process is not None:
+                server_process.terminate()
+                server_process.wait(timeout=10)
 
-    def upload_reward_check_clips(step: int) -> None:
-        """Seed 000's 'benchmark rewarder': a few clips ranked by predicted return, to compare with one's own."""
-        idx, mask = rb.sample_segment_pairs(args.feedback_check_clips, args.segment_length, rng)
-        idx, mask = idx[:, 0], mask[:, 0]
-        mean, _ = predict_rewards(reward_model, torch.as_tensor(rb.obs_actions(idx), device=device))
-        predicted = (mean.cpu().numpy() * mask).sum(-1)
-        clips, evaluations = {}, []
-        for i in range(len(idx)):
-            path = human_teacher.render_clip(f"run{feedback_run_id}_check_{step}_{i}.mp4", rb.physics_states[idx[i]], mask[i])
-            clips[path.name] = path
-            evaluations.append({"clip": path.name, "predicted_return": float(predicted[i]), "step": step})
-        human_teacher.client.upload_evaluations(feedback_run_id, evaluations, clips)
-
-    def feedback_session(num_queries: int) -> None:
-        """Select pairs, ask the teacher, fit the reward model, relabel the replay buffer."""
-        session_start = time.time()
-        segments, labels, annotators = ask_for_labels(num_queries)
-        record_labels(segments, labels, annotators)
-        loop.sessions_done += 1
-        stats = train_reward_model(reward_model, reward_optimizer, prefs, rb, args, rng, device)
-        relabel_replay_buffer(reward_model, rb, device, args.relabel_chunk_size)
-        step = loop.global_step
-        if human_teacher is not None and args.feedback_check_clips > 0:
-            upload_reward_check_clips(step)
-        writer.add_scalar("feedback/labels_obtained", loop.labels_obtained, step)
-        writer.add_scalar("feedback/queries_skipped", loop.queries_skipped, step)
-        writer.add_scalar("feedback/sessions", loop.sessions_done, step)
-        writer.add_scalar("feedback/session_seconds", time.time() - session_start, step)
-        writer.add_scalar("reward_model/train_loss", stats["train_loss"], step)
-        writer.add_scalar("reward_model/epochs", stats["epochs"], step)
-        writer.add_scalar("reward_model/train_accuracy", preference_accuracy(reward_model, prefs, prefs.split(False), device), step)
-        writer.add_scalar("reward_model/heldout_accuracy", preference_accuracy(reward_model, prefs, prefs.split(True), device), step)
-        writer.add_scalar("reward_model/reward_correlation", reward_correlation(rb), step)
-        if args.surf:
-            writer.add_scalar("reward_model/ssl_loss", stats["ssl_loss"], step)
-            writer.add_scalar("reward_model/pseudo_labels", stats["pseudo_labels"], step)
-
-    def evaluate(step: int) -> None:
-        video = video_dir / f"eval_step_{step}.mp4" if args.capture_video else None
-        returns = evaluate_policy(
-            agent.actor,
-            args.env_id,
-            args.evaluation_episodes,
-            args.seed + 100_000,
-            device,
-            video,
-            args.video_width,
-            args.video_height,
-            args.terminate_when_unhealthy,
-        )
-        loop.last_eval_return = float(np.mean(returns))
-        writer.add_scalar("eval/mean_return", loop.last_eval_return, step)
-        writer.add_scalar("eval/std_return", float(np.std(returns)), step)
-        if video is not None and args.track:
+        if not interrupted:
+            evaluate(loop.global_step)
+        summary = {
+            "run_name": run_name,
+            "env_id": args.env_id,
+            "teacher_feedback_mode": args.teacher_feedback_mode,
+            "global_step": loop.global_step,
+            "final_eval_return": loop.last_eval_return,
+            "labels_obtained": loop.labels_obtained,
+            "queries_skipped": loop.queries_skipped,
+            "feedback_sessions": loop.sessions_done,
+            "train_accuracy": preference_accuracy(reward_model, prefs, prefs.split(False), device),
+            "heldout_accuracy": preference_accuracy(reward_model, prefs, prefs.split(True), device),
+            "reward_correlation": reward_correlation(rb),
+            "wall_seconds": wall,
+            "sps": (loop.global_step - start_step) / wall,
+            "interrupted": interrupted,
+        }
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        if interrupted:
+            raise KeyboardInterrupt
+        return summary
+    finally:
+        envs.close()
+        writer.close()
+        if args.track:
             import wandb
 
-            wandb.log({"eval/video": wandb.Video(str(video), format="mp4")}, step=step)
-        if on_evaluation is not None:
-            on_evaluation(step, loop.last_eval_return)
-
-    start_time, start_step = time.time(), loop.global_step
-    progress = None
-    if args.progress_bar:
-        from tqdm import tqdm
-
-        progress = tqdm(total=args.total_timesteps, initial=loop.global_step, unit="step", dynamic_ncols=True)
-    interrupted = False
-    try:
-        while loop.global_step < args.total_timesteps:
-            step = loop.global_step
-            # --- feedback session (the first ends exploration) ---
-            if (
-                step >= first_feedback_step
-                and loop.sessions_done < len(schedule)
-                and (step - first_feedback_step) % args.teacher_feedback_frequency == 0
-            ):
-                feedback_session(schedule[loop.sessions_done])
-            if step >= first_feedback_step and not loop.critic_reset and len(prefs) > 0:
-                agent.reset_critic()  # Q-values of the intrinsic reward mean nothing for the learned one
-                loop.critic_reset = True
-
-            # --- act ---
-            if step < args.learning_starts:
-                actions = rng.uniform(action_space.low, action_space.high, size=(1, action_dim)).astype(np.float32)
-            else:
-                with torch.no_grad():
-                    actions, _, _ = agent.actor.get_action(torch.as_tensor(obs, dtype=torch.float32, device=device))
-                actions = actions.cpu().numpy()
-            physics_state = get_physics_state(envs.envs[0])
-            autoreset = bool(envs._autoreset_envs[0])
-            next_obs, rewards, terminations, truncations, infos = envs.step(actions)
-
-            # With next-step autoreset, the step after an episode end only resets: never store it.
-            if not autoreset:
-                i = rb.add(obs[0], next_obs[0], actions[0], rewards[0], terminations[0], loop.episode_id, physics_state)
-                if len(prefs) > 0:
-                    mean, std = predict_rewards(reward_model, torch.as_tensor(rb.obs_actions(np.array([i])), device=device))
-                    rb.learned_rewards[i], rb.reward_std[i] = float(mean), float(std)
-                loop.episode_return += float(rewards[0])
-                loop.episode_length += 1
-                if terminations[0] or truncations[0]:
-                    writer.add_scalar("charts/episodic_return", loop.episode_return, step)
-                    writer.add_scalar("charts/episodic_length", loop.episode_length, step)
-                    if progress is not None:
-                        progress.set_postfix(
-                            ret=f"{loop.episode_return:.0f}",
-                            eval=f"{loop.last_eval_return:.0f}",
-                            labels=loop.labels_obtained,
-                            refresh=False,
-                        )
-                    loop.episode_id += 1
-                    loop.episode_return, loop.episode_length = 0.0, 0
-            obs = next_obs
-            loop.global_step += 1
-
-            # --- learn ---
-            if step >= args.learning_starts and (len(prefs) > 0 or args.unsupervised_exploration):
-                idx = rb.sample_indices(args.batch_size, rng)
-                batch_obs = torch.as_tensor(rb.obs[idx], device=device)
-                batch_next_obs = torch.as_tensor(rb.next_obs[idx], device=device)
-                if len(prefs) == 0:  # unsupervised exploration: state entropy of the reached states
-                    reference = torch.as_tensor(
-                        rb.next_obs[rb.sample_indices(min(args.explore_knn_sample_size, rb.size), rng)], device=device
-                    )
-                    intrinsic = knn_state_entropy(batch_next_obs, reference, min(args.explore_knn_k, len(reference)))
-                    intrinsic_rms.update(intrinsic)
-                    batch_rewards = intrinsic / intrinsic_rms.std
-                    if step % 100 == 0:
-                        writer.add_scalar("exploration/intrinsic_reward", float(batch_rewards.mean()), step)
-                else:
-                    batch_rewards = torch.as_tensor(rb.learned_rewards[idx], device=device)
-                    if args.rune:
-                        beta = rune_beta(args.rune_beta, args.rune_beta_decay, step)
-                        batch_rewards = batch_rewards + beta * torch.as_tensor(rb.reward_std[idx], device=device)
-                        if step % 100 == 0:
-                            writer.add_scalar("rune/beta", beta, step)
-                stats = agent.update(
-                    batch_obs,
-                    torch.as_tensor(rb.actions[idx], device=device),
-                    batch_rewards,
-                    batch_next_obs,
-                    torch.as_tensor(rb.terminated[idx], device=device),
-                    step,
-                )
-                if step % 100 == 0:
-                    for name, value in stats.items():
-                        writer.add_scalar(f"losses/{name}", float(value), step)
-            if step % 100 == 0:
-                sps = int((loop.global_step - start_step) / (time.time() - start_time))
-                writer.add_scalar("charts/SPS", sps, step)
-                if progress is not None:
-                    progress.update(loop.global_step - progress.n)
-
-            # --- evaluate, checkpoint ---
-            if args.unsupervised_exploration and loop.global_step == args.total_explore_steps and not args.exploration_load:
-                save_checkpoint(model_dir / str(loop.global_step), checkpoint_state(), rb)  # reusable: --exploration-load
-            if args.evaluation_frequency and loop.global_step % args.evaluation_frequency == 0 and loop.global_step < args.total_timesteps:
-                evaluate(loop.global_step)
-            if args.checkpoint_frequency and loop.global_step % args.checkpoint_frequency == 0 and loop.global_step < args.total_timesteps:
-                save_checkpoint(model_dir / "latest", checkpoint_state(), rb)
-    except KeyboardInterrupt:
-        interrupted = True
-        print(f"\ninterrupted at step {loop.global_step}: saving models/{run_name}/latest")
-    finally:
-        wall = time.time() - start_time  # training time: periodic evaluations included, the final one not
-        save_checkpoint(model_dir / "latest", checkpoint_state(), rb)
-        if progress is not None:
-            progress.update(loop.global_step - progress.n)
-            progress.close()
-        label_log.close()
-        if renderer is not None:
-            renderer.close()
-        if server_process is not None:
-            server_process.terminate()
-            server_process.wait(timeout=10)
-
-    if not interrupted:
-        evaluate(loop.global_step)
-    summary = {
-        "run_name": run_name,
-        "env_id": args.env_id,
-        "teacher_feedback_mode": args.teacher_feedback_mode,
-        "global_step": loop.global_step,
-        "final_eval_return": loop.last_eval_return,
-        "labels_obtained": loop.labels_obtained,
-        "queries_skipped": loop.queries_skipped,
-        "feedback_sessions": loop.sessions_done,
-        "train_accuracy": preference_accuracy(reward_model, prefs, prefs.split(False), device),
-        "heldout_accuracy": preference_accuracy(reward_model, prefs, prefs.split(True), device),
-        "reward_correlation": reward_correlation(rb),
-        "wall_seconds": wall,
-        "sps": (loop.global_step - start_step) / wall,
-        "interrupted": interrupted,
-    }
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    envs.close()
-    writer.close()
-    if args.track:
-        import wandb
-
-        wandb.finish()
-    if interrupted:
-        raise KeyboardInterrupt
-    return summary
+            wandb.finish()
 
 
 def cli() -> None:
