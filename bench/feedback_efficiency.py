@@ -4,6 +4,8 @@ With --algorithm ppo: PrefPPO (pref_ppo.py) vs PPO (ppo.py), same label budget a
 
     python bench/feedback_efficiency.py                      # Hopper-v5, 100k steps, 200 labels, seed 1
     python bench/feedback_efficiency.py --steps 20000 --seeds 1 2
+    python bench/feedback_efficiency.py --env-id dm_control/walker-walk-v0 --labels 100 \\
+        --output bench/results/feedback_efficiency_walker_walk.json   # PEBBLE's DMC setting, 100 labels
     python bench/feedback_efficiency.py --algorithm ppo --env-id CartPole-v1 --steps 100000 --explore-steps 0 \\
         --feedback-frequency 5000 --evaluation-frequency 5000 --seeds 1 2 3 --target-return 400
 
@@ -42,6 +44,12 @@ PREFERENCE_ENV_FLAGS = {
         "--min-augmentation-offset",
         "2",
     ],
+}
+
+
+# Published figures for context (other code, GPU-sized networks, more steps): not comparable one to one.
+PUBLISHED = {
+    "dm_control/walker-walk-v0": "100 labels at 500k steps: PEBBLE 453, SURF 661 (reported in the SURF paper, Park et al. 2022)",
 }
 
 
@@ -136,6 +144,8 @@ def main() -> None:
     if args.target_return is not None:
         columns += [f"{rlhf}_steps_to_target", f"{base}_steps_to_target"]
     print_table([*rows, {"env_id": "median", **median}], columns)
+    if args.env_id in PUBLISHED:
+        print(f"published, for context: {PUBLISHED[args.env_id]}")
     write_json(
         args.output,
         {
@@ -144,6 +154,7 @@ def main() -> None:
             "settings": vars(args) | {"workdir": str(args.workdir), "output": str(args.output)},
             "rows": rows,
             "median": median,
+            "published": PUBLISHED.get(args.env_id),
         },
     )
 
