@@ -374,6 +374,12 @@ def wandb_records(path: Path):
 
 
 def test_wandb_trial_logs_the_metric_to_its_offline_run(chdir_tmp, monkeypatch):
+    import wandb
+
+    # An earlier test's --track run leaves its W&B session (and directory) and its TensorBoard patch, which
+    # would stream this trial's event files into the run: start from a fresh session, unpatched.
+    wandb.teardown()
+    wandb.tensorboard.unpatch()
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(chdir_tmp))
     fixed = {**TINY_SAC, "evaluation_frequency": 150}  # evaluations at 150 and 300 steps
