@@ -58,6 +58,13 @@ def first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[0] if text else ''}"[:200]
 
 
+def joined(reasons: list[str]) -> str:
+    """The reasons as one cell; when both scripts refuse an env for the same reason, it is said once."""
+    if len(reasons) == 2 and reasons[0].split(": ", 1)[1] == reasons[1].split(": ", 1)[1]:
+        reasons = [reasons[0].split(": ", 1)[1]]
+    return "; ".join(reasons)
+
+
 def check_env(env_id: str, segment_length: int = 25, width: int = 96, height: int = 96) -> dict:
     """Build, step, store and restore states, re-render: what both algorithm scripts need from an environment."""
     import pref_ppo
@@ -73,9 +80,7 @@ def check_env(env_id: str, segment_length: int = 25, width: int = 96, height: in
         except Exception as error:
             reasons.append(f"{name}.py: {first_line(error)}")
     if not built:
-        if reasons[0].split(": ", 1)[1] == reasons[1].split(": ", 1)[1]:
-            reasons = [reasons[0].split(": ", 1)[1]]  # both scripts refuse it for the same reason: say it once
-        return row | {"reason": "; ".join(reasons), "seconds": round(time.time() - start, 1)}
+        return row | {"reason": joined(reasons), "seconds": round(time.time() - start, 1)}
     script = next(iter(built.values()))  # the segment checks run through sac_rlhf.py's code where it takes the env
     env = script.make_env(env_id, 0)()
     try:
@@ -128,9 +133,7 @@ def check_env(env_id: str, segment_length: int = 25, width: int = 96, height: in
     status = "fail" if row["render"] != "identical" else ("partial" if mismatches else "pass")
     for name in built:
         row[name] = status
-    if len(reasons) == 2 and reasons[0].split(": ", 1)[1] == reasons[1].split(": ", 1)[1]:
-        reasons = [reasons[0].split(": ", 1)[1]]  # both scripts refuse it for the same reason: say it once
-    row["reason"] = "; ".join(reasons)
+    row["reason"] = joined(reasons)
     row["seconds"] = round(time.time() - start, 1)
     return row
 

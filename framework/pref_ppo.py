@@ -469,16 +469,9 @@ def make_vector_env(args: PPOArgs) -> gym.vector.SyncVectorEnv:
 
 def lower_shadow_quality(env: gym.Env) -> None:
     # Offscreen software rendering (llvmpipe) spends most of its time on the shadow map.
-    model = mujoco_model(env)
+    model, _ = raw_mujoco(env)
     if model is not None:
         model.vis.quality.shadowsize = 1024
-
-
-def mujoco_model(env: gym.Env):
-    unwrapped = env.unwrapped
-    if hasattr(unwrapped, "physics"):  # dm_control through shimmy
-        return unwrapped.physics.model._model
-    return getattr(unwrapped, "model", None)
 
 
 def get_physics_state(env: gym.Env) -> np.ndarray:

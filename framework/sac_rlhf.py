@@ -393,7 +393,7 @@ def make_env(
             raise ConfigError(
                 f"--env-id {env_id} has unbounded actions (bounds up to {bounds.max():.0e}); SAC squashes actions into finite bounds"
             )
-        if mujoco_model(env) is None:
+        if raw_mujoco(env)[0] is None:
             env.close()
             raise ConfigError(f"--env-id {env_id} is not simulated by MuJoCo, so its segments cannot be stored and re-rendered")
         lower_shadow_quality(env)
@@ -405,16 +405,9 @@ def make_env(
 
 def lower_shadow_quality(env: gym.Env) -> None:
     # Offscreen software rendering (llvmpipe) spends most of its time on the shadow map.
-    model = mujoco_model(env)
+    model, _ = raw_mujoco(env)
     if model is not None:
         model.vis.quality.shadowsize = 1024
-
-
-def mujoco_model(env: gym.Env):
-    unwrapped = env.unwrapped
-    if hasattr(unwrapped, "physics"):  # dm_control through shimmy
-        return unwrapped.physics.model._model
-    return getattr(unwrapped, "model", None)
 
 
 def get_physics_state(env: gym.Env) -> np.ndarray:

@@ -220,6 +220,7 @@ def test_no_terminate_when_unhealthy_is_refused_where_the_env_has_no_such_termin
         (pref_ppo, "dm_control/walker-fly-v0", "is not a registered Gymnasium environment"),
         (sac_rlhf, "CartPole-v1", "has a Discrete action space"),
         (pref_ppo, "dm_control/stack_2_bricks_vision-v0", "observes camera images"),
+        (sac_rlhf, "dm_control/stack_2_bricks_vision-v0", "observes camera images"),
     ],
 )
 def test_unsupported_envs_are_refused_with_the_reason(module, env_id, message):

@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 import tyro
 
+import sweep
+
 REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()
 
@@ -23,13 +25,6 @@ def test_ci_runs_the_readme_test_command_verbatim():
 
 
 SCRIPTS = sorted((REPO / "scripts").rglob("*.sh"))
-# Each algorithm script's Args and the check it runs before training.
-ALGORITHMS = {
-    "sac_rlhf": ("sac_rlhf", "Args", "validate_args"),
-    "pref_ppo": ("pref_ppo", "Args", "validate_args"),
-    "sac": ("sac", "Args", "validate_sac_args"),
-    "ppo": ("ppo", "Args", "validate_ppo_args"),
-}
 
 
 def test_every_benchmarked_environment_has_a_run_script():
@@ -42,16 +37,13 @@ def test_every_benchmarked_environment_has_a_run_script():
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: str(p.relative_to(REPO / "scripts")))
 def test_run_scripts_parse_with_the_scripts_own_args(script):
-    import importlib
-
     command = script.read_text().replace("\\\n", " ")
     line = next(line for line in command.splitlines() if re.search(r"python framework/\w+\.py", line))
     tokens = shlex.split(line.replace('"$@"', ""))
     program = next(token for token in tokens if token.startswith("framework/"))
-    module_name, args_name, validate_name = ALGORITHMS[Path(program).stem]
-    module = importlib.import_module(module_name)
+    training_script = sweep.load_script(Path(program).stem.replace("_", "-"))  # the script's Args and its own checks
     flags = tokens[tokens.index(program) + 1 :]
-    args = tyro.cli(getattr(module, args_name), args=flags)  # an unknown flag exits with a usage error
-    getattr(module, validate_name)(args)
+    args = tyro.cli(training_script.Args, args=flags)  # an unknown flag exits with a usage error
+    training_script.validate(args)
     # scripts/<ENV_ID>.sh: the file's path is the env it runs (dm_control/<task>-v0 in a folder)
     assert args.env_id == str(script.relative_to(REPO / "scripts").with_suffix(""))
