@@ -76,13 +76,15 @@ VARIANTS = {
 }  # fmt: skip
 
 
-# What `tuned` adds per suite, as the README recommends (and the suite's run scripts do): bench/reward_learning.py found
+# What `tuned` and `qpa` add per suite, as the README recommends (and the suite's run scripts do): bench/reward_learning.py found
 # standardised reward-model inputs better on walker-walk and worse on Hopper-v5.
 TUNED_BY_SUITE = {"dm_control/": ["--reward-net-normalize-inputs"]}
 
 
 def variant_flags(variant: str, env_id: str) -> list[str]:
-    suite = [flags for prefix, flags in TUNED_BY_SUITE.items() if env_id.startswith(prefix)] if variant == "tuned" else []
+    # QPA keeps the suite's tuned reward-model inputs: its changes are to what is asked and replayed, not to the inputs.
+    tuned = variant in ("tuned", "qpa")
+    suite = [flags for prefix, flags in TUNED_BY_SUITE.items() if env_id.startswith(prefix)] if tuned else []
     return [*VARIANTS[variant], *(flag for flags in suite for flag in flags)]
 
 

@@ -6,7 +6,7 @@
 # exploration steps, constant (linear) schedule, 50-step segments, disagreement sampling; SURF on (our default).
 # These networks are sized for a GPU: bench/feedback_efficiency.py runs this task with CleanRL's 256-unit SAC.
 # Reward-model inputs standardised (--reward-net-normalize-inputs): on walker-walk it raised fresh-pair accuracy on the
-# latest policy's data by 0.06-0.08 (bench/reward_learning.py, 3 seeds; on Hopper-v5 it did not help, so it is off by default).
+# latest policy's data by 0.06-0.13 (bench/reward_learning.py, 3 seeds; on Hopper-v5 it did not help, so it is off by default).
 # Run from the repository root: bash scripts/dm_control/walker-walk-v0.sh [more flags]
 set -euo pipefail
 python framework/sac_rlhf.py \

@@ -7,6 +7,8 @@
 # actor and critic learning rate 0.0005, 500000 steps; SAC otherwise as in scripts/dm_control/walker-walk-v0.sh.
 # QPA trains its reward model a fixed 2000 x labels / batch gradient steps per session; here the epochs stop at the
 # script's usual training-accuracy rule (bench/reward_learning.py measures the difference).
+# Reward-model inputs standardised (--reward-net-normalize-inputs), as in this task's PEBBLE script: QPA changes which
+# pairs are asked and replayed, not the model's inputs, and bench/feedback_efficiency.py --variant qpa runs it so.
 # Run from the repository root: bash scripts/dm_control/walker-walk-v0_qpa.sh [more flags]
 set -euo pipefail
 python framework/sac_rlhf.py \
@@ -31,6 +33,7 @@ python framework/sac_rlhf.py \
   --reward-ensemble-size 1 \
   --reward-net-epochs 50 \
   --no-surf \
+  --reward-net-normalize-inputs \
   --qpa-query-episodes 10 \
   --qpa-hybrid-ratio 0.5 \
   --qpa-augmentations 20 \
