@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# PEBBLE on Walker2d-v5 from 500 synthetic labels. Where the settings come from: the structure of the
-# benchmarked Hopper-v5 script (10k exploration steps, exponential schedule, disagreement sampling, SURF,
-# 50-step segments, CleanRL's SAC), with the label budget raised for a harder task within the 100-2000
-# range PEBBLE and B-Pref use on locomotion. Not yet swept: sweep_config/walker2d.yaml is that sweep.
+# PEBBLE on Walker2d-v5 from 500 synthetic labels. Where the settings come from: bench/feedback_efficiency.py
+# --variant tuned (10k exploration steps, disagreement sampling, SURF, 50-step segments, CleanRL's SAC, raw
+# reward-model inputs; README figures with 200 labels at 100k steps), with the label budget raised for a 1M-step
+# run within the 100-2000 range PEBBLE and B-Pref use on locomotion. sweep_config/walker2d.yaml sweeps it.
+# Schedule: the labels spread evenly over 10 sessions, one every 90k steps from 10k (the last at 820k), as the README
+# recommends for Gymnasium MuJoCo (frequency ~ 0.9 x steps / sessions): bench/feedback_efficiency.py --variant tuned
+# measured it at 100k steps on Hopper-v5 and on Walker2d-v5, where the exponential schedule's last labels (at 55k)
+# had left the policy free to exploit a reward model no later label corrected.
 # Run from the repository root: bash scripts/Walker2d-v5.sh [more flags]
 set -euo pipefail
 python framework/sac_rlhf.py \
@@ -11,8 +15,8 @@ python framework/sac_rlhf.py \
   --total-explore-steps 10000 \
   --teacher-feedback-total-queries 500 \
   --teacher-feedback-num-queries-per-session 50 \
-  --teacher-feedback-frequency 5000 \
-  --teacher-feedback-schedule exponential \
+  --teacher-feedback-frequency 90000 \
+  --teacher-feedback-schedule linear \
   --preference-sampling disagree \
   --segment-length 50 \
   --surf \

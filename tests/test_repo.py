@@ -42,6 +42,19 @@ def test_every_benchmarked_environment_has_a_run_script():
         assert f"dm_control/{task}-v0" in env_ids
 
 
+def last_feedback_step(script, args, queries_per_session: int) -> int:
+    """The step of a run's last feedback session (as sac_rlhf.py's loop schedules them), to check a shipped setting asks
+    its whole label budget before the run ends: a frequency too large for the steps leaves labels silently unasked."""
+    sessions = len(script.feedback_schedule(args.teacher_feedback_total_queries, queries_per_session,
+                                            args.teacher_feedback_schedule, args.teacher_feedback_exponential_decay))  # fmt: skip
+    first = args.total_explore_steps if args.unsupervised_exploration else args.learning_starts
+    return first + (sessions - 1) * args.teacher_feedback_frequency
+
+
+# B-Pref's Meta-World budgets at its 50 labels every 5000 steps: more labels than 1M steps hold; the scripts say so.
+BUDGET_OUTLASTS_THE_RUN = {"button-press-v3.sh", "sweep-into-v3.sh"}
+
+
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: str(p.relative_to(REPO / "scripts")))
 def test_run_scripts_parse_with_the_scripts_own_args(script):
     command = script.read_text().replace("\\\n", " ")
@@ -55,3 +68,6 @@ def test_run_scripts_parse_with_the_scripts_own_args(script):
     # scripts/<ENV_ID>.sh: the file's path is the env it runs (dm_control/<task>-v0 in a folder); <ENV_ID>-demo.sh
     # is the README's short run of it, <ENV_ID>_qpa.sh its QPA setting
     assert args.env_id == str(script.relative_to(REPO / "scripts").with_suffix("")).removesuffix("-demo").removesuffix("_qpa")
+    if program == "framework/sac_rlhf.py" and script.name not in BUDGET_OUTLASTS_THE_RUN:
+        last = last_feedback_step(training_script.module, args, args.teacher_feedback_num_queries_per_session)
+        assert last < args.total_timesteps, f"{script.name}: its last labels are due at step {last}, after the run's end"

@@ -18,6 +18,7 @@ import tyro
 import yaml
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 from optuna.trial import TrialState
+from test_repo import last_feedback_step
 
 import sweep
 
@@ -91,6 +92,9 @@ def test_shipped_configs_load_and_validate_against_their_scripts_args(path):
         assert parsed.metric == metric and parsed.goal == "maximize"
         for knob in ("reward_net_lr", "segment_length", "teacher_feedback_num_queries_per_session", "preference_sampling", "surf", "rune"):
             assert knob in parsed.params, f"{path.name} sweeps {knob}"
+        for per_session in parsed.params["teacher_feedback_num_queries_per_session"].values:
+            last = last_feedback_step(script.module, base, per_session)
+            assert last < base.total_timesteps, f"{path.name}: with {per_session} per session the last labels come at {last}"
 
 
 def test_distributions_map_to_optuna():
