@@ -9,7 +9,8 @@ With --algorithm ppo: PrefPPO (pref_ppo.py) vs PPO (ppo.py), same label budget a
     python bench/feedback_efficiency.py --env-id metaworld/door-open-v3 --steps 20000 --seeds 1 2   # and success rates
     python bench/feedback_efficiency.py --env-id dm_control/walker-walk-v0 --labels 100 --variant tuned --seeds 1 2 \\
         --baseline-from bench/results/feedback_efficiency_walker_walk.json bench/results/feedback_efficiency_walker_walk_seed2.json
-        # --variant: pebble (the defaults), tuned (the README's recommendation), qpa; --baseline-from reuses SAC's runs
+        # --variant: pebble (the defaults), tuned (the README's recommendation), qpa (and qpa-no-hybrid, qpa-no-crops);
+        # --baseline-from reuses SAC's runs
     python bench/feedback_efficiency.py --algorithm ppo --env-id CartPole-v1 --steps 100000 --explore-steps 0 \\
         --feedback-frequency 5000 --evaluation-frequency 5000 --seeds 1 2 3 --target-return 400
 
@@ -61,19 +62,26 @@ PUBLISHED = {
 }
 
 
+# QPA (Hu et al. 2024) as scripts/dm_control/*_qpa.sh: queries from the last 10 episodes, half of every SAC batch from
+# them (hybrid replay), 20 cropped copies of each label, one reward network, no SURF, even schedule.
+QPA_BASE = [
+    "--teacher-feedback-schedule", "linear", "--preference-sampling", "uniform", "--reward-ensemble-size", "1", "--no-surf",
+    "--qpa-query-episodes", "10",
+]  # fmt: skip
+QPA_HYBRID, QPA_CROPS = ["--qpa-hybrid-ratio", "0.5"], ["--qpa-augmentations", "20"]
+
 # --variant: what the preference-based run adds to its flags (the SAC baseline is the same for all).
 VARIANTS = {
     "pebble": [],  # sac_rlhf.py's defaults: exponential schedule, disagreement sampling, SURF
     # The README's recommendation from bench/reward_learning.py and B-Pref: the label budget spread evenly over the
     # sessions (B-Pref asks the same number every session, deep into the run), the rest as the defaults.
     "tuned": ["--teacher-feedback-schedule", "linear"],  # and on DMC the reward model's inputs standardised (TUNED_BY_SUITE)
-    # QPA (Hu et al. 2024) as scripts/dm_control/*_qpa.sh: queries from the last 10 episodes, half of every SAC batch
-    # from them, 20 cropped copies of each label, one reward network, no SURF, even schedule.
-    "qpa": [
-        "--teacher-feedback-schedule", "linear", "--preference-sampling", "uniform", "--reward-ensemble-size", "1",
-        "--no-surf", "--qpa-query-episodes", "10", "--qpa-hybrid-ratio", "0.5", "--qpa-augmentations", "20",
-    ],
-}  # fmt: skip
+    "qpa": [*QPA_BASE, *QPA_HYBRID, *QPA_CROPS],
+    # QPA less one of its parts, to see which does the work (its query alignment cannot go alone: the hybrid replay
+    # draws from the same last episodes).
+    "qpa-no-hybrid": [*QPA_BASE, *QPA_CROPS],  # every SAC batch uniform over the buffer
+    "qpa-no-crops": [*QPA_BASE, *QPA_HYBRID],  # each label trains once per epoch, uncropped
+}
 
 
 # What `tuned` and `qpa` add per suite, as the README recommends (and the suite's run scripts do): bench/reward_learning.py found
@@ -83,7 +91,7 @@ TUNED_BY_SUITE = {"dm_control/": ["--reward-net-normalize-inputs"]}
 
 def variant_flags(variant: str, env_id: str) -> list[str]:
     # QPA keeps the suite's tuned reward-model inputs: its changes are to what is asked and replayed, not to the inputs.
-    tuned = variant in ("tuned", "qpa")
+    tuned = variant == "tuned" or variant.startswith("qpa")
     suite = [flags for prefix, flags in TUNED_BY_SUITE.items() if env_id.startswith(prefix)] if tuned else []
     return [*VARIANTS[variant], *(flag for flags in suite for flag in flags)]
 
