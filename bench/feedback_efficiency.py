@@ -23,6 +23,7 @@ Targets (issue 2): ratio >= 0.9, accuracy >= 0.9, correlation >= 0.8.
 
 import argparse
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -167,7 +168,9 @@ def main() -> None:
     extra = PPO_ENV_FLAGS.get(args.env_id, []) if args.algorithm == "ppo" else []
     rlhf_extra = PREFERENCE_ENV_FLAGS.get(args.env_id, []) if args.algorithm == "ppo" else []
 
-    stamp, machine = int(time.time()), machine_info()  # the commit the runs start from
+    # The process id too: two invocations started in the same second (two variants side by side) would otherwise
+    # share run directories and overwrite each other's runs.
+    stamp, machine = f"{int(time.time())}_{os.getpid()}", machine_info()  # machine: also the commit the runs start from
     reused = earlier_baselines(args.baseline_from, args, base) if args.baseline_from else {}
     missing = [seed for seed in args.seeds if args.baseline_from and seed not in reused]
     if missing:
