@@ -58,6 +58,28 @@ def wait_all(processes: list[subprocess.Popen], names: list[str]) -> None:
             raise SystemExit(f"benchmark run {name} failed with exit code {process.returncode}")
 
 
+def run_pool(starts: list, names: list[str], parallel: int, poll_seconds: float = 2.0) -> None:
+    """Runs the jobs (`starts`: callables that start one process each) `parallel` at a time, starting the next as soon
+    as any finishes: runs of unequal length (a preference run and its baseline) keep every core busy, where batches
+    would wait for the slowest of each. Stops every run still going when one fails."""
+    pending, running = list(zip(starts, names)), []
+    try:
+        while pending or running:
+            while pending and len(running) < parallel:
+                start, name = pending.pop(0)
+                running.append((start(), name))
+            for process, name in list(running):
+                if process.poll() is None:
+                    continue
+                running.remove((process, name))
+                if process.returncode != 0:
+                    raise SystemExit(f"benchmark run {name} failed with exit code {process.returncode}")
+            time.sleep(poll_seconds if running else 0)
+    finally:
+        for process, _ in running:
+            process.kill()
+
+
 def read_summary(workdir: Path, run_name: str) -> dict:
     return json.loads((workdir / "runs" / run_name / "summary.json").read_text())
 

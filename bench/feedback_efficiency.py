@@ -14,7 +14,8 @@ With --algorithm ppo: PrefPPO (pref_ppo.py) vs PPO (ppo.py), same label budget a
     python bench/feedback_efficiency.py --algorithm ppo --env-id CartPole-v1 --steps 100000 --explore-steps 0 \\
         --feedback-frequency 5000 --evaluation-frequency 5000 --seeds 1 2 3 --target-return 400
 
-Reports per seed and as medians: final evaluation return of each, their ratio, the reward model's
+Reports per seed and as medians: final evaluation return of each, their ratio, the same for the mean of
+the last three evaluations (`last_ratio`; every evaluation is kept in the JSON), the reward model's
 held-out accuracy, and the Pearson correlation of learned and true reward on recent transitions; on
 Meta-World also the final success rate of each;
 with --target-return, the first evaluation step at which each run reached that mean return.
@@ -22,13 +23,14 @@ Targets (issue 2): ratio >= 0.9, accuracy >= 0.9, correlation >= 0.8.
 """
 
 import argparse
+import functools
 import json
 import os
 import statistics
 import time
 from pathlib import Path
 
-from common import REPO, machine_info, print_table, read_summary, start_script, wait_all, write_json
+from common import REPO, machine_info, print_table, read_summary, run_pool, start_script, write_json
 
 # (preference-based script, its short name, baseline script, its short name) per --algorithm.
 ALGORITHMS = {"sac": ("sac_rlhf.py", "pebble", "sac.py", "sac"), "ppo": ("pref_ppo.py", "pref_ppo", "ppo.py", "ppo")}
@@ -125,18 +127,34 @@ def earlier_baselines(paths: list[Path], args, base: str) -> dict[int, dict]:
         for row in result["rows"]:
             found[row["seed"]] = {
                 "final_eval_return": row[f"{base}_return"], "sps": row[f"{base}_sps"],
-                "final_success_rate": row.get(f"{base}_success_rate"), "from": str(path),
+                "final_success_rate": row.get(f"{base}_success_rate"),
+                "eval_curve": row.get(f"{base}_eval_curve"), "from": str(path),
             }  # fmt: skip
     return found
 
 
-def first_step_reaching(workdir: Path, run_name: str, target: float) -> int | None:
-    """The first evaluation step whose mean return is >= target (None: never)."""
+LAST_EVALUATIONS = 3
+
+
+def eval_curve(workdir: Path, run_name: str) -> list[list[float]]:
+    """[step, mean return] of every evaluation of a run, from its TensorBoard scalars."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    accumulator = EventAccumulator(str(workdir / "runs" / run_name))
+    accumulator = EventAccumulator(str(workdir / "runs" / run_name), size_guidance={"scalars": 0})
     accumulator.Reload()
-    return next((e.step for e in accumulator.Scalars("eval/mean_return") if e.value >= target), None)
+    return [[e.step, e.value] for e in accumulator.Scalars("eval/mean_return")]
+
+
+def last_evaluations_mean(curve: list[list[float]] | None, count: int = LAST_EVALUATIONS) -> float | None:
+    """Mean return of the last `count` evaluations (None without a curve or with fewer evaluations)."""
+    if not curve or len(curve) < count:
+        return None
+    return sum(value for _, value in curve[-count:]) / count
+
+
+def first_step_reaching(curve: list[list[float]] | None, target: float) -> int | None:
+    """The first evaluation step whose mean return is >= target (None: never or no curve)."""
+    return next((step for step, value in curve or [] if value >= target), None)
 
 
 def main() -> None:
@@ -157,7 +175,9 @@ def main() -> None:
         "--baseline-from", type=Path, nargs="+", default=None,
         help="earlier results JSON of this benchmark: reuse their baseline runs (same env, steps, evaluation) instead of running them",
     )  # fmt: skip
-    parser.add_argument("--parallel", type=int, default=2, help="runs at once (one torch thread each): the cores to use")
+    parser.add_argument(
+        "--parallel", type=int, default=2, help="runs at once (one torch thread each; the next starts when any ends): the cores to use"
+    )
     parser.add_argument("--workdir", type=Path, default=REPO / "bench" / "workdir")
     parser.add_argument("--output", type=Path, default=None, help="default: bench/results/feedback_efficiency[_ppo].json")
     args = parser.parse_args()
@@ -185,25 +205,27 @@ def main() -> None:
                 "--evaluation-frequency", str(args.evaluation_frequency), "--evaluation-episodes", str(args.evaluation_episodes),
             ]  # fmt: skip
             jobs.append((seed, base, base_script, [*common, *extra, "--run-name", f"bench_{base}_{tag}"]))
-    for start in range(0, len(jobs), args.parallel):
-        batch = jobs[start : start + args.parallel]
-        names = [flags[flags.index("--run-name") + 1] for *_, flags in batch]
-        wait_all(
-            [
-                start_script(script, flags, args.workdir, log=args.workdir / f"{name}.log")
-                for (_, _, script, flags), name in zip(batch, names)
-            ],
-            names,
-        )
+    names = [flags[flags.index("--run-name") + 1] for *_, flags in jobs]
+    run_pool(
+        [
+            functools.partial(start_script, script, flags, args.workdir, log=args.workdir / f"{name}.log")
+            for (_, _, script, flags), name in zip(jobs, names)
+        ],
+        names,
+        args.parallel,
+    )
 
     rows = []
     for seed in args.seeds:
         tag = f"{args.env_id.replace('/', '_')}_{seed}_{stamp}"
         preference = read_summary(args.workdir, f"bench_{rlhf}_{tag}")
+        preference["eval_curve"] = eval_curve(args.workdir, f"bench_{rlhf}_{tag}")
         if seed in reused:
             baseline = reused[seed]
         else:
             baseline = read_summary(args.workdir, f"bench_{base}_{tag}")
+            baseline["eval_curve"] = eval_curve(args.workdir, f"bench_{base}_{tag}")
+        window = [last_evaluations_mean(run.get("eval_curve")) for run in (preference, baseline)]
         rows.append({
             "env_id": args.env_id, "variant": args.variant, "seed": seed, "steps": args.steps, "labels": preference["labels_obtained"],
             f"{rlhf}_return": preference["final_eval_return"], f"{base}_return": baseline["final_eval_return"],
@@ -213,17 +235,20 @@ def main() -> None:
             # Meta-World: the last evaluation's success rate, the metric its papers report (None on other envs)
             f"{rlhf}_success_rate": preference.get("final_success_rate"), f"{base}_success_rate": baseline.get("final_success_rate"),
             "baseline_from": reused[seed]["from"] if seed in reused else "this invocation",
+            # The mean of the last LAST_EVALUATIONS evaluations: one checkpoint of Hopper or Walker2d swings by hundreds
+            # between evaluations (for SAC too), so the final one alone ranks runs by luck.
+            f"{rlhf}_last_return": window[0], f"{base}_last_return": window[1],
+            "last_ratio": window[0] / window[1] if None not in window else None,
+            f"{rlhf}_eval_curve": preference["eval_curve"], f"{base}_eval_curve": baseline.get("eval_curve"),
         })  # fmt: skip
         if args.target_return is not None:
             for name in (rlhf, base):
-                rows[-1][f"{name}_steps_to_target"] = (
-                    first_step_reaching(args.workdir, f"bench_{name}_{tag}", args.target_return)
-                    if name == rlhf or seed not in reused
-                    else None
-                )
+                rows[-1][f"{name}_steps_to_target"] = first_step_reaching(rows[-1][f"{name}_eval_curve"], args.target_return)
     keys = [f"{rlhf}_return", f"{base}_return", "ratio", "heldout_accuracy", "reward_correlation", f"{rlhf}_sps", f"{base}_sps"]
     keys += [key for key in (f"{rlhf}_success_rate", f"{base}_success_rate") if all(row[key] is not None for row in rows)]
-    median = {key: statistics.median(r[key] for r in rows) for key in keys}
+    # A reused baseline from before the curves were kept has no last evaluations: its seed drops out of that median only.
+    keys += [key for key in (f"{rlhf}_last_return", f"{base}_last_return", "last_ratio") if any(row[key] is not None for row in rows)]
+    median = {key: statistics.median(r[key] for r in rows if r[key] is not None) for key in keys}
     columns = ["env_id", "variant", "seed", "labels", *keys]
     if args.target_return is not None:
         columns += [f"{rlhf}_steps_to_target", f"{base}_steps_to_target"]

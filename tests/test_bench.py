@@ -1,0 +1,81 @@
+"""The benchmarks' own machinery: how they schedule runs and what they report from them."""
+
+import functools
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
+try:
+    import feedback_efficiency
+    from common import run_pool
+finally:
+    sys.path.remove(str(REPO / "bench"))
+
+
+def start_python(code: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", code])
+
+
+def test_run_pool_starts_the_next_job_as_soon_as_any_finishes(tmp_path):
+    """A long run and a short one side by side: the third job must start when the short one ends, not after the long
+    one (which here waits for the third's mark, so batches of two would make it fail after 60 s)."""
+    mark = tmp_path / "third_started"
+    waits_for_third = f"""
+import pathlib, sys, time
+deadline = time.time() + 60
+while not pathlib.Path({str(mark)!r}).exists():
+    if time.time() > deadline:
+        sys.exit(3)
+    time.sleep(0.05)
+"""
+    jobs = [
+        functools.partial(start_python, waits_for_third),
+        functools.partial(start_python, "pass"),
+        functools.partial(start_python, f"import pathlib; pathlib.Path({str(mark)!r}).touch()"),
+    ]
+    run_pool(jobs, ["long", "short", "third"], parallel=2, poll_seconds=0.05)
+    assert mark.exists()
+
+
+def test_run_pool_names_the_failed_run_and_stops_the_others(tmp_path):
+    pid_file = tmp_path / "sleeper.pid"
+    sleeper = f"import os, pathlib, time; pathlib.Path({str(pid_file)!r}).write_text(str(os.getpid())); time.sleep(120)"
+    fails = f"""
+import pathlib, sys, time
+while not pathlib.Path({str(pid_file)!r}).exists():
+    time.sleep(0.05)
+sys.exit(7)
+"""
+    never_started = tmp_path / "never"
+    jobs = [
+        functools.partial(start_python, sleeper),
+        functools.partial(start_python, fails),
+        functools.partial(start_python, f"import pathlib; pathlib.Path({str(never_started)!r}).touch()"),
+    ]
+    with pytest.raises(SystemExit, match="run crashing failed with exit code 7"):
+        run_pool(jobs, ["sleeper", "crashing", "after"], parallel=2, poll_seconds=0.05)
+    pid = int(pid_file.read_text())
+    for _ in range(100):  # killed: the process is gone once the pool's parent has reaped it
+        try:
+            os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            break
+        time.sleep(0.05)
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    assert not never_started.exists(), "a job queued after the failure must not start"
+
+
+def test_last_evaluations_mean_is_the_mean_of_the_last_three_or_nothing():
+    curve = [[10_000, 300.0], [20_000, 2900.0], [30_000, 500.0], [40_000, 1400.0], [50_000, 1800.0]]
+    assert feedback_efficiency.last_evaluations_mean(curve) == pytest.approx((500 + 1400 + 1800) / 3)
+    assert feedback_efficiency.last_evaluations_mean(curve[:2]) is None  # too few evaluations to average three
+    assert feedback_efficiency.last_evaluations_mean(None) is None  # a reused baseline from before curves were kept
+    assert feedback_efficiency.first_step_reaching(curve, 1000) == 20_000
+    assert feedback_efficiency.first_step_reaching(curve, 5000) is None
