@@ -112,7 +112,19 @@ def pebble_flags(args, seed: int, run_name: str) -> list[str]:
     ]  # fmt: skip
 
 
-BASELINE_SETTINGS = ("algorithm", "env_id", "steps", "explore_steps", "evaluation_frequency", "evaluation_episodes")
+# What a baseline run depends on (baseline_flags): a run from an earlier invocation is reused only where these agree.
+# The preference-based run's exploration, label budget, schedule and variant are not among them.
+BASELINE_SETTINGS = ("algorithm", "env_id", "steps", "evaluation_frequency", "evaluation_episodes")
+
+
+def baseline_flags(args, seed: int, run_name: str) -> list[str]:
+    """sac.py's (or ppo.py's) flags: the true-reward run the preference-based one is compared with."""
+    extra = PPO_ENV_FLAGS.get(args.env_id, []) if args.algorithm == "ppo" else []
+    return [
+        "--env-id", args.env_id, "--seed", str(seed), "--total-timesteps", str(args.steps),
+        "--evaluation-frequency", str(args.evaluation_frequency), "--evaluation-episodes", str(args.evaluation_episodes),
+        *extra, "--run-name", run_name,
+    ]  # fmt: skip
 
 
 def earlier_baselines(paths: list[Path], args, base: str) -> dict[int, dict]:
@@ -200,11 +212,7 @@ def main() -> None:
         tag = f"{args.env_id.replace('/', '_')}_{seed}_{stamp}"
         jobs.append((seed, rlhf, rlhf_script, [*pebble_flags(args, seed, f"bench_{rlhf}_{tag}"), *extra, *rlhf_extra]))
         if seed not in reused:
-            common = [
-                "--env-id", args.env_id, "--seed", str(seed), "--total-timesteps", str(args.steps),
-                "--evaluation-frequency", str(args.evaluation_frequency), "--evaluation-episodes", str(args.evaluation_episodes),
-            ]  # fmt: skip
-            jobs.append((seed, base, base_script, [*common, *extra, "--run-name", f"bench_{base}_{tag}"]))
+            jobs.append((seed, base, base_script, baseline_flags(args, seed, f"bench_{base}_{tag}")))
     names = [flags[flags.index("--run-name") + 1] for *_, flags in jobs]
     run_pool(
         [

@@ -1,5 +1,6 @@
 """The benchmarks' own machinery: how they schedule runs and what they report from them."""
 
+import argparse
 import functools
 import os
 import subprocess
@@ -79,3 +80,25 @@ def test_last_evaluations_mean_is_the_mean_of_the_last_three_or_nothing():
     assert feedback_efficiency.last_evaluations_mean(None) is None  # a reused baseline from before curves were kept
     assert feedback_efficiency.first_step_reaching(curve, 1000) == 20_000
     assert feedback_efficiency.first_step_reaching(curve, 5000) is None
+
+
+def bench_settings(**changes):
+    settings = dict(
+        algorithm="sac", env_id="CartPole-v1", steps=100_000, labels=200, sessions=10, feedback_frequency=5000,
+        explore_steps=10_000, evaluation_frequency=10_000, evaluation_episodes=10, variant="pebble",
+    )  # fmt: skip
+    return argparse.Namespace(**(settings | changes))
+
+
+def test_a_baseline_is_reused_exactly_when_its_run_would_be_the_same():
+    """--baseline-from checks BASELINE_SETTINGS: every one of them must change the baseline's command line (else a
+    different baseline could be reused), and nothing else may (else a valid one would be refused, as the exploration
+    length once was)."""
+    flags = feedback_efficiency.baseline_flags(bench_settings(), 1, "run")
+    other_values = {"algorithm": "ppo", "env_id": "Hopper-v5", "steps": 50_000, "evaluation_frequency": 5000, "evaluation_episodes": 5}
+    assert set(other_values) == set(feedback_efficiency.BASELINE_SETTINGS)
+    for key, value in other_values.items():
+        assert feedback_efficiency.baseline_flags(bench_settings(**{key: value}), 1, "run") != flags, key
+    preference_only = {"labels": 100, "sessions": 5, "feedback_frequency": 9000, "explore_steps": 5000, "variant": "qpa"}
+    for key, value in preference_only.items():
+        assert feedback_efficiency.baseline_flags(bench_settings(**{key: value}), 1, "run") == flags, key
