@@ -6,9 +6,13 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
+import tyro
+
+import sweep
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
@@ -102,3 +106,22 @@ def test_a_baseline_is_reused_exactly_when_its_run_would_be_the_same():
     preference_only = {"labels": 100, "sessions": 5, "feedback_frequency": 9000, "explore_steps": 5000, "variant": "qpa"}
     for key, value in preference_only.items():
         assert feedback_efficiency.baseline_flags(bench_settings(**{key: value}), 1, "run") == flags, key
+
+
+def test_feedback_efficiency_variants_are_valid_runs_that_differ_only_as_named():
+    """bench/feedback_efficiency.py --variant: each variant's flags parse and validate as sac_rlhf.py's own, and each QPA
+    ablation is QPA with exactly its one part switched off (else the ablation would measure something else too)."""
+    script = sweep.load_script("sac-rlhf")
+    for env_id in ["Hopper-v5", "dm_control/walker-walk-v0"]:
+        runs = {}
+        for variant in feedback_efficiency.VARIANTS:
+            runs[variant] = tyro.cli(script.Args, args=["--env-id", env_id, *feedback_efficiency.variant_flags(variant, env_id)])
+            script.validate(runs[variant])
+        qpa = asdict(runs["qpa"])
+        assert (qpa["qpa_query_episodes"], qpa["qpa_hybrid_ratio"], qpa["qpa_augmentations"]) == (10, 0.5, 20)
+        assert asdict(runs["qpa-no-hybrid"]) == {**qpa, "qpa_hybrid_ratio": 0.0}
+        assert asdict(runs["qpa-no-crops"]) == {**qpa, "qpa_augmentations": 0}
+        assert runs["pebble"] == script.Args(env_id=env_id)
+        standardised = env_id.startswith("dm_control/")  # the suite's tuned inputs (README)
+        assert runs["tuned"].reward_net_normalize_inputs == qpa["reward_net_normalize_inputs"] == standardised
+        assert runs["tuned"].teacher_feedback_schedule == qpa["teacher_feedback_schedule"] == "linear"
