@@ -6,6 +6,7 @@ one torch thread per run. Targets (issue 12): sac.py >= 1.5x the steps/s of the 
     python bench/throughput.py                           # 3 rounds against 257de00
     python bench/throughput.py --against HEAD~3 --rounds 5
     python bench/throughput.py --compile                 # this checkout with --compile (and --cudagraphs on a GPU)
+    python bench/throughput.py --threads 2               # both versions on 2 torch threads, one run at a time
 
 How it measures. Each round runs two processes side by side, the same script from both commits, so that both see
 the same machine noise; the order of the two pairs alternates between rounds. Each process runs the script's
@@ -20,11 +21,16 @@ forward pass outside the update), counting steps at the env's step. Over a windo
 --warmup also keeps --compile's compilation out of the window. Steps/s are given by wall clock and by the process's
 CPU time; on a machine shared with other work the CPU figure is the steadier one. The split gives the window's CPU
 milliseconds per step by part; `other` is the rest (buffer, sampling, tensors from numpy, logging).
+
+--threads N (N > 1, for a machine with nothing else running) gives every run N intra-op threads (--torch-threads where a
+version has it; before issue 12 the scripts took torch's default, which follows OMP_NUM_THREADS). The two runs of a pair then go one after the other instead of side by side, so that neither run's
+threads wait for the other's.
 """
 
 import argparse
 import importlib
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -131,9 +137,21 @@ def child(framework: str, script: str, start: str, output: str, *flags: str) -> 
     sys.path.insert(0, framework)
     module, sac_rlhf = importlib.import_module(script[:-3]), importlib.import_module("sac_rlhf")
     assert Path(module.__file__).parent == Path(framework), f"imported {module.__file__}, not {framework}'s"
+    run_args = tyro.cli(module.Args, args=list(flags))
+    if hasattr(run_args, "torch_threads"):  # versions since issue 12 set their threads; older ones follow OMP_NUM_THREADS
+        run_args.torch_threads = int(os.environ["OMP_NUM_THREADS"])
     with StepTimer(sac_rlhf, int(start)) as timer:
-        module.main(tyro.cli(module.Args, args=list(flags)))
+        module.main(run_args)
     Path(output).write_text(json.dumps(timer.result()))
+
+
+def run_groups(threads: int, round_: int) -> list[list[str]]:
+    """The versions' runs of one script in a round, as groups started together, one group after the other: both side by
+    side with one thread each (the same machine noise for both); with more threads each alone, so that no run's threads
+    wait for the other's, the first alternating between rounds."""
+    if threads <= 1:
+        return [list(VERSIONS)]
+    return [[version] for version in (VERSIONS if round_ % 2 == 0 else VERSIONS[::-1])]
 
 
 def measure_rounds(args, frameworks: dict[str, Path]) -> list[dict]:
@@ -142,28 +160,30 @@ def measure_rounds(args, frameworks: dict[str, Path]) -> list[dict]:
         for script in SCRIPTS if round_ % 2 == 0 else SCRIPTS[::-1]:
             flags, start = run_flags(script, args)
             names = {version: f"throughput_{stamp}_{round_}_{version}_{script[:-3]}" for version in VERSIONS}
-            processes = [
-                start_process(
-                    [
-                        str(Path(__file__).resolve()),
-                        "child",
-                        str(frameworks[version]),
-                        script,
-                        str(start),
-                        str(args.workdir / f"{names[version]}.json"),
-                        *flags,
-                        *(args.speed_flags if version == "this" else []),
-                        "--seed",
-                        str(round_ + 1),
-                        "--run-name",
-                        names[version],
-                    ],  # fmt: skip
-                    args.workdir,
-                    log=args.workdir / f"{names[version]}.log",
-                )
-                for version in VERSIONS
-            ]
-            wait_all(processes, list(names.values()))
+            for group in run_groups(args.threads, round_):
+                processes = [
+                    start_process(
+                        [
+                            str(Path(__file__).resolve()),
+                            "child",
+                            str(frameworks[version]),
+                            script,
+                            str(start),
+                            str(args.workdir / f"{names[version]}.json"),
+                            *flags,
+                            *(args.speed_flags if version == "this" else []),
+                            "--seed",
+                            str(round_ + 1),
+                            "--run-name",
+                            names[version],
+                        ],  # fmt: skip
+                        args.workdir,
+                        threads=args.threads,
+                        log=args.workdir / f"{names[version]}.log",
+                    )
+                    for version in group
+                ]
+                wait_all(processes, [names[version] for version in group])
             for version, name in names.items():
                 result = json.loads((args.workdir / f"{name}.json").read_text())
                 rows.append({"round": round_, "script": script, "version": version, **result})
@@ -192,6 +212,7 @@ def main() -> None:
     parser.add_argument("--session-epochs", type=int, default=5, help="sac_rlhf.py: cap on the session's reward-training epochs")
     parser.add_argument("--compile", action="store_true", help="run this checkout's scripts with --compile")
     parser.add_argument("--cudagraphs", action="store_true", help="run this checkout's scripts with --cudagraphs (a CUDA GPU)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per run; above 1 the runs of a pair go one at a time")
     parser.add_argument("--workdir", type=Path, default=REPO / "bench" / "workdir")
     parser.add_argument("--output", type=Path, default=REPO / "bench" / "results" / "throughput.json")
     args = parser.parse_args()
@@ -233,7 +254,9 @@ def main() -> None:
         for script in SCRIPTS
         for version in VERSIONS
     ]
-    print(f"\nmedian learning-phase steps per second (wall) and per CPU-second over {args.rounds} rounds, one torch thread per run")
+    print(
+        f"\nmedian learning-phase steps per second (wall) and per CPU-second over {args.rounds} rounds, {args.threads} torch thread(s) per run"
+    )
     print_table(speed, list(speed[0]))
     print("\nsac_rlhf.py / sac.py: " + ", ".join(f"{name} {ratio:.3f}" for name, ratio in rlhf_over_sac.items()))
     print("\nmedian CPU milliseconds per learning step, by part")

@@ -18,6 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 try:
     import feedback_efficiency
+    import throughput
     from common import run_pool
 finally:
     sys.path.remove(str(REPO / "bench"))
@@ -125,3 +126,10 @@ def test_feedback_efficiency_variants_are_valid_runs_that_differ_only_as_named()
         standardised = env_id.startswith("dm_control/")  # the suite's tuned inputs (README)
         assert runs["tuned"].reward_net_normalize_inputs == qpa["reward_net_normalize_inputs"] == standardised
         assert runs["tuned"].teacher_feedback_schedule == qpa["teacher_feedback_schedule"] == "linear"
+
+
+def test_throughput_runs_versions_side_by_side_on_one_thread_and_alone_on_more():
+    assert throughput.run_groups(1, 0) == throughput.run_groups(1, 1) == [["this", "against"]]
+    # With 2 threads each, two runs side by side would oversubscribe 2 cores: one at a time, who goes first alternating.
+    assert throughput.run_groups(2, 0) == [["this"], ["against"]]
+    assert throughput.run_groups(2, 1) == [["against"], ["this"]]
