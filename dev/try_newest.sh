@@ -23,7 +23,7 @@ from importlib import metadata
 
 locked = {}
 for line in open("requirements/constraints.txt"):
-    match = re.match(r"^([A-Za-z0-9_.-]+)==([^ ;]+)", line)
+    match = re.match(r"^([A-Za-z0-9_.-]+)==([^\s;]+)", line)
     if match:
         locked.setdefault(match[1].lower().replace("_", "-"), set()).add(match[2])
 for dist in sorted(metadata.distributions(), key=lambda d: d.metadata["Name"].lower()):
