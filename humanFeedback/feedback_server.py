@@ -589,6 +589,14 @@ def annotation_page():
     return resp
 
 
+@page.get("/static/js/<name>")
+def page_script(name: str):
+    """The page's ES modules (static/js/*.js): served as JavaScript, which a browser requires of a module script."""
+    resp = send_from_directory(STATIC_DIR / "js", name, mimetype="text/javascript", max_age=0)
+    resp.headers["Cache-Control"] = "no-store"  # a page and its modules always from the same checkout
+    return resp
+
+
 @clips.get("/<int:run_id>/<path:name>")
 def serve_clip(run_id: int, name: str):
     check_clip_name(name, "Clip name")

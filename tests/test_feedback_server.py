@@ -7,6 +7,7 @@ import importlib.util
 import io
 import json
 import os
+import re
 import signal
 import socket
 import sqlite3
@@ -255,13 +256,34 @@ def test_schema_keeps_sessions_and_segment_ids_as_sent(env):
     assert (answer["session"], answer["left_segment_id"], answer["right_segment_id"]) == ("3", "7", 7)
 
 
+def page_modules(client, html: str) -> dict[str, str]:
+    """The page's ES modules, followed from its <script type="module"> through their imports: name -> source."""
+    found: dict[str, str] = {}
+    pending = re.findall(r'<script type="module" src="/static/js/([\w.]+)"></script>', html)
+    while pending:
+        name = pending.pop()
+        if name in found:
+            continue
+        resp = client.get(f"/static/js/{name}")
+        assert resp.status_code == 200, name
+        assert resp.mimetype == "text/javascript"  # a browser runs a module script only with a JavaScript MIME type
+        found[name] = resp.get_data(as_text=True)
+        pending += re.findall(r'from "\./([\w.]+)"', found[name])
+    return found
+
+
 def test_page_is_served_with_both_videos_and_controls(env):
     resp = env.client.get("/")
     assert resp.status_code == 200 and resp.mimetype == "text/html"
     html = resp.get_data(as_text=True)
-    for needle in ("<video", "muted", "playsinline", 'data-choice="left"', 'data-choice="tie"', "Undo last", "#rewards", "localStorage"):
+    for needle in ("<video", "muted", "playsinline", 'data-choice="left"', 'data-choice="tie"', "Undo last", "#rewards"):
         assert needle in html
     assert "Access-Control-Allow-Origin" not in resp.headers
+    modules = page_modules(env.client, html)
+    assert set(modules) == {"main.js", "api.js", "state.js", "player.js", "views.js"}
+    assert "localStorage" in modules["state.js"] and "/api/next" in modules["api.js"]
+    missing = env.client.get("/static/js/nothing.js")
+    assert missing.status_code == 404 and "error" in missing.get_json()
 
 
 def test_create_run_is_idempotent_by_name_and_listed(env):

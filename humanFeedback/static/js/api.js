@@ -1,0 +1,38 @@
+// The server's JSON API as the page calls it: one function per route, errors as ApiError with the HTTP status
+// (undefined when the server did not answer at all).
+import { TOKEN } from "./state.js";
+
+export class ApiError extends Error {
+  constructor(status, message) { super(message); this.status = status; }
+}
+
+async function call(path, options = {}) {
+  const headers = Object.assign({}, options.headers || {});
+  if (TOKEN) headers["X-Feedback-Token"] = TOKEN;
+  let body = options.body;
+  if (body !== undefined && typeof body !== "string") {
+    body = JSON.stringify(body);
+    headers["Content-Type"] = "application/json";
+  }
+  const resp = await fetch(path, { method: options.method || "GET", headers, body, cache: "no-store" });
+  let data = null;
+  try { data = await resp.json(); } catch (e) { data = null; }
+  if (!resp.ok) throw new ApiError(resp.status, (data && data.error) || `HTTP ${resp.status}`);
+  return data;
+}
+
+export const getConfig = () => call("/api/config");
+export const getRuns = () => call("/api/runs");
+export const getEvaluations = (runId) => call(`/api/runs/${encodeURIComponent(runId)}/evaluations`);
+
+export function getNext({ annotator, runId, exclude }) {
+  let url = "/api/next?annotator=" + encodeURIComponent(annotator);
+  if (runId) url += "&run_id=" + encodeURIComponent(runId);
+  if (exclude.length) url += "&exclude=" + exclude.join(",");
+  return call(url);
+}
+
+export const postLabel = (queryId, choice, annotator) =>
+  call(`/api/queries/${queryId}/label`, { method: "POST", body: { choice, annotator } });
+
+export const postUndo = (queryId, annotator) => call(`/api/queries/${queryId}/undo`, { method: "POST", body: { annotator } });

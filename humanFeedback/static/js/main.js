@@ -1,0 +1,301 @@
+// The labelling loop: lease a pair, show it, keep the answer in this browser, send it until the server has it,
+// prefetch the next pair meanwhile; undo; the two views and the name form. Loaded by index.html as an ES module.
+import { getConfig, getNext, getRuns, postLabel, postUndo } from "./api.js";
+import { activePair, applySpeed, forgetPairs, hiddenPair, loadPair, pauseAll, showPair, startTogether } from "./player.js";
+import { $, KEYS, NAME_KEY, RUN_KEY, SPEED_KEY, noteProgress, outbox, saveOutbox, state, unsentIds } from "./state.js";
+import {
+  loadRewards, notice, renderEvaluations, renderInstructions, renderOutbox, renderProgress, runLabel, setChoicesEnabled,
+  showWaiting,
+} from "./views.js";
+
+function show(q) {
+  state.current = q;
+  showPair(q);
+  $("#waiting").classList.add("hidden");
+  $("#pairs").classList.remove("hidden");
+  setChoicesEnabled(true);
+  noteProgress(q.run_id, q.session, q.progress);
+  renderInstructions(q);
+  renderProgress();
+}
+
+// ------------------------------------------------------------------ runs
+
+async function loadRunPicker() {
+  const select = $("#run-pick");
+  try {
+    const { runs } = await getRuns();
+    const keep = state.run;
+    select.replaceChildren(new Option("All runs", ""), ...runs.map((r) => new Option(runLabel(r), String(r.run_id))));
+    if (keep && !runs.some((r) => String(r.run_id) === keep)) select.append(new Option(`run ${keep}`, keep));
+    select.value = keep;
+  } catch (e) { /* the picker keeps what it had; the pairs' own errors are shown */ }
+}
+
+function pickRun(value) {
+  state.run = value;
+  localStorage.setItem(RUN_KEY, value);
+  $("#run-pick").value = value;   // also when called from code: no later loadRunPicker is sure to repaint it
+  // pairs of another run already leased to us expire on the server after the lease
+  state.current = null;
+  state.prefetched = null;
+  state.lastSession = null;
+  forgetPairs();
+  $("#progress").textContent = "";
+  loadNext();
+}
+
+// ------------------------------------------------------------------ fetching queries
+
+function isFresh(q) {
+  const lease = (state.config && state.config.lease_seconds) || 60;
+  return Date.now() - q.fetchedAt < lease * 800;   // 80 % of the lease, in ms
+}
+
+async function fetchNext(exclude) {
+  const q = await getNext({ annotator: state.annotator, runId: state.run, exclude: [...new Set([...exclude, ...unsentIds()])] });
+  if (q.waiting) { state.training = q.training; return null; }
+  q.fetchedAt = Date.now();
+  return q;
+}
+
+async function loadNext() {
+  clearTimeout(state.pollTimer);
+  if (!state.annotator || location.hash === "#rewards") return;
+  if (state.prefetching) await state.prefetching.catch(() => {});
+  const pre = state.prefetched;
+  state.prefetched = null;
+  if (pre && isFresh(pre) && !(String(pre.query_id) in outbox()) && (!state.run || String(pre.run_id) === state.run)) {
+    show(pre);
+    prefetch();
+    return;
+  }
+  if (state.loading) return;
+  state.loading = true;
+  try {
+    const q = await fetchNext([]);
+    if (state.current) return;   // an undo put a pair on screen meanwhile; q stays leased to us
+    if (q && (!state.run || String(q.run_id) === state.run)) {
+      show(q);
+      prefetch();
+    } else {
+      showWaiting(state.training);
+      loadRunPicker();
+      state.pollTimer = setTimeout(loadNext, 2000);
+    }
+  } catch (e) {
+    if (e.status === 404 && state.run) {   // the run remembered in this browser is not on this server: show all runs
+      notice(`Run ${state.run} is not on this server; showing all runs.`);
+      setTimeout(() => pickRun(""), 0);   // after this call's finally
+      return;
+    }
+    if (e.status === undefined || e.status >= 500) notice("The server does not answer; trying again every 2 s…", true);
+    else notice(e.message, true);
+    state.pollTimer = setTimeout(loadNext, 2000);
+  } finally {
+    state.loading = false;
+  }
+}
+
+function prefetch() {
+  if (!state.current) return;
+  const exclude = [state.current.query_id];
+  const p = fetchNext(exclude).then((q) => {
+    if (q && !(state.current && q.query_id === state.current.query_id)) {
+      state.prefetched = q;
+      loadPair(hiddenPair(), q);
+    }
+  }).catch(() => {}).finally(() => { if (state.prefetching === p) state.prefetching = null; });
+  state.prefetching = p;
+}
+
+// ------------------------------------------------------------------ answering
+
+function answer(choice) {
+  const q = state.current;
+  if (!q || !state.config || !state.config.choices.includes(choice)) return;
+  state.current = null;
+  setChoicesEnabled(false);
+  const box = outbox();   // kept in this browser first: nothing given is lost if the server is away
+  box[q.query_id] = { choice, annotator: state.annotator, run_id: q.run_id, session: q.session };
+  saveOutbox(box);
+  state.lastSession = { run: q.run_id, session: q.session };
+  const done = sendLabel(q.query_id);
+  state.history.push({ query: q, done });
+  $("#undo").disabled = !state.config.allow_editing;
+  notice("");
+  renderOutbox();
+  loadNext();
+}
+
+// Sends one kept answer until the server answers; resolves to the server's reply, or null when it refused the
+// answer (someone else labelled the pair meanwhile, ...). A repeated send is harmless: the server stores an
+// answer it already has once (200, same label).
+const sending = new Map();   // query id -> the promise of its send: one sender per kept answer in this tab
+function sendLabel(queryId) {
+  const id = String(queryId);
+  if (!sending.has(id)) sending.set(id, sendUntilAnswered(id).finally(() => sending.delete(id)));
+  return sending.get(id);
+}
+
+async function sendUntilAnswered(queryId) {
+  for (let attempt = 0; ; attempt++) {
+    const a = outbox()[queryId];
+    if (!a) return null;   // sent by another tab, or dropped
+    try {
+      const res = await postLabel(queryId, a.choice, a.annotator);
+      const box = outbox(); delete box[queryId]; saveOutbox(box);
+      noteProgress(a.run_id, a.session, res.progress);
+      if (state.offlineSince !== null && Object.keys(box).length === 0) {
+        state.offlineSince = null;
+        notice("The server is back: every kept answer is saved.");
+      }
+      renderProgress();
+      renderOutbox();
+      return res;
+    } catch (e) {
+      if (e.status === undefined || e.status >= 500) {   // server away or busy: keep it, try again later
+        if (state.offlineSince === null) state.offlineSince = Date.now();
+        renderOutbox();
+        await new Promise((r) => setTimeout(r, Math.min(15000, 1000 * 2 ** Math.min(attempt, 4))));
+        continue;
+      }
+      if (e.status === 409 && e.message.includes("shown to another annotator")) {
+        // our lease ran out during the outage and someone else has the pair on screen: if they answer it, the
+        // server refuses ours (dropped below, next time); if their lease ends first, ours is stored
+        await new Promise((r) => setTimeout(r, 10000));
+        continue;
+      }
+      const box = outbox(); delete box[queryId]; saveOutbox(box);
+      notice(`Pair #${queryId} was not saved: ${e.message}`, true);
+      renderProgress();
+      renderOutbox();
+      return null;
+    }
+  }
+}
+
+function sendKept() {   // answers kept by an earlier visit of this page (or another tab) that the server never confirmed
+  for (const id of unsentIds()) sendLabel(id);
+}
+
+async function undoLast() {
+  const last = state.history.pop();
+  $("#undo").disabled = state.history.length === 0;
+  if (!last) return;
+  if (String(last.query.query_id) in outbox() && state.offlineSince !== null) {
+    state.history.push(last);
+    $("#undo").disabled = false;
+    notice(`Pair #${last.query.query_id} is not sent yet; it can be undone once the server has it.`);
+    return;
+  }
+  const saved = await last.done;
+  if (!saved) { notice(`Pair #${last.query.query_id} had not been saved, nothing to undo.`); return; }
+  try {
+    const res = await postUndo(last.query.query_id, state.annotator);
+    const q = res.query;
+    q.fetchedAt = Date.now();
+    if (state.current) {            // the pair on screen becomes the next one again
+      state.current.fetchedAt = Date.now();
+      state.prefetched = state.current;
+      loadPair(hiddenPair(), state.current);
+    }
+    clearTimeout(state.pollTimer);
+    show(q);
+    notice(`Undone: pair #${q.query_id} is back, choose again.`);
+  } catch (e) {
+    notice(e.message, true);
+  }
+}
+
+// ------------------------------------------------------------------ views, name, wiring
+
+function route() {
+  const rewards = location.hash === "#rewards";
+  $("#tab-rewards").classList.toggle("active", rewards);
+  $("#tab-compare").classList.toggle("active", !rewards);
+  $("#rewards-view").classList.toggle("hidden", !rewards);
+  const needName = !rewards && !state.annotator;
+  $("#name-form").classList.toggle("hidden", !needName);
+  $("#compare-view").classList.toggle("hidden", rewards || needName);
+  $("#who").classList.toggle("hidden", !state.annotator);
+  $("#who-name").textContent = state.annotator;
+  if (rewards) {
+    clearTimeout(state.pollTimer);
+    pauseAll();
+    loadRewards();
+  } else if (needName) {
+    $("#annotator-input").focus();
+  } else if (state.current) {
+    startTogether(activePair());
+  } else {
+    loadRunPicker();
+    sendKept();
+    loadNext();
+  }
+}
+
+function applyConfig(cfg) {
+  state.config = cfg;
+  for (const b of document.querySelectorAll("button.choice")) {
+    b.classList.toggle("hidden", !cfg.choices.includes(b.dataset.choice));
+  }
+  $("#undo").classList.toggle("hidden", !cfg.allow_editing);
+  const select = $("#speed");
+  const def = String(cfg.playback_speed);
+  if (![...select.options].some((o) => Number(o.value) === cfg.playback_speed)) {
+    const o = document.createElement("option");
+    o.value = def;
+    o.textContent = `${cfg.playback_speed}×`;
+    select.append(o);
+  }
+  const saved = localStorage.getItem(SPEED_KEY);
+  select.value = saved && [...select.options].some((o) => o.value === saved) ? saved : def;
+  if (!select.value) select.value = "1";
+}
+
+document.addEventListener("keydown", (ev) => {
+  if (ev.repeat || ev.altKey || ev.ctrlKey || ev.metaKey) return;
+  const tag = (ev.target && ev.target.tagName) || "";
+  if (["INPUT", "SELECT", "TEXTAREA"].includes(tag)) return;
+  if (location.hash === "#rewards" || $("#compare-view").classList.contains("hidden")) return;
+  const choice = KEYS[ev.key];
+  if (!choice) return;
+  ev.preventDefault();
+  answer(choice);
+});
+
+for (const b of document.querySelectorAll("button.choice")) {
+  b.addEventListener("click", () => answer(b.dataset.choice));
+}
+$("#undo").addEventListener("click", undoLast);
+$("#speed").addEventListener("change", () => {
+  localStorage.setItem(SPEED_KEY, $("#speed").value);
+  applySpeed();
+  if (state.current) renderInstructions(state.current);
+});
+$("#run-pick").addEventListener("change", () => pickRun($("#run-pick").value));
+$("#run-select").addEventListener("change", () => renderEvaluations($("#run-select").value).catch((e) => notice(e.message, true)));
+$("#name-form").addEventListener("submit", (ev) => {
+  ev.preventDefault();
+  const name = $("#annotator-input").value.trim();
+  if (!name) return;
+  state.annotator = name;
+  localStorage.setItem(NAME_KEY, name);
+  route();
+});
+$("#change-name").addEventListener("click", () => {
+  $("#annotator-input").value = state.annotator;
+  state.annotator = "";
+  localStorage.removeItem(NAME_KEY);
+  state.current = null;
+  state.prefetched = null;
+  state.history = [];
+  $("#undo").disabled = true;
+  forgetPairs();
+  route();
+});
+window.addEventListener("hashchange", route);
+
+getConfig().then((cfg) => { applyConfig(cfg); route(); })
+  .catch((e) => { document.querySelector("main").textContent = e.message; });
