@@ -19,5 +19,6 @@ repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 "$venv_dir/bin/python" -m pip install --upgrade pip
 torch_index="${TORCH_INDEX_URL-https://download.pytorch.org/whl/cpu}"
 "$venv_dir/bin/python" -m pip install torch==2.13.0 ${torch_index:+--index-url "$torch_index"}
-"$venv_dir/bin/python" -m pip install -e "$repo[dev]"
+# Every other package at the version the lock holds (requirements/constraints.txt is exported from uv.lock).
+"$venv_dir/bin/python" -m pip install -e "$repo[dev]" -c "$repo/requirements/constraints.txt"
 echo "created $venv_dir: submit sweeps with  bash slurm/start_job.sh --venv $venv_dir ..."

@@ -137,9 +137,13 @@ def test_cpu_torch_lines_agree_with_ci_and_the_slurm_venv():
     cpu_index = "--index-url https://download.pytorch.org/whl/cpu"
     (readme_pin,) = set(re.findall(rf"pip install torch==([\d.]+) {re.escape(cpu_index)}", quick_start + installing_section()))
     ci = (REPO / ".ci/run").read_text()
-    assert f"python -m pip install torch=={readme_pin}\n" in ci
+    constraints = "-c requirements/constraints.txt"
+    assert f"python -m pip install torch=={readme_pin} {constraints}\n" in ci
+    assert f'python -m pip install -e ".[dev]" {constraints}\n' in ci
+    assert f"\ntorch=={readme_pin}\n" in (REPO / "requirements/constraints.txt").read_text(), "the lock holds the same torch"
     setup_venv = (REPO / "slurm/setup_venv.sh").read_text()
     assert f"torch=={readme_pin}" in setup_venv and "https://download.pytorch.org/whl/cpu" in setup_venv
+    assert '"$repo/requirements/constraints.txt"' in setup_venv
 
 
 def test_readme_uv_lines_are_the_pip_lines():
