@@ -49,6 +49,7 @@ from cleanrlhf_utils.runs import (
     cli,
     crossed,
     default_run_name,
+    earlier_wall_seconds,
     evaluate_and_log,
     evaluate_policy,  # noqa: F401 (evaluation of a PPOPolicy: pref_ppo.evaluate_policy)
     load_checkpoint,
@@ -1371,6 +1372,7 @@ def main(args: Args, on_evaluation: Callable[[int, float], None] | None = None) 
 
         def checkpoint_state() -> dict:
             state = {"algorithm": "pref_ppo", "run_name": run_name, "args": public_settings(args), "loop": asdict(loop)}
+            state["wall_seconds"] = earlier_wall + time.time() - start_time  # the whole run's, across resumes
             # in a reward update: the state from before it (session.rollback()), so that the resume redoes the update
             return state | training_state(parts, rng) | {"env": capture_env_state(envs, obs)} | session.rollback()
 
@@ -1385,6 +1387,7 @@ def main(args: Args, on_evaluation: Callable[[int, float], None] | None = None) 
 
         progress = progress_bar(args, num_iterations * batch_size, loop.global_step)
         start_time, start_step, interrupted, start, last_return = time.time(), loop.global_step, False, None, float("nan")
+        earlier_wall = earlier_wall_seconds(resume_state)  # training seconds before the checkpoint this run resumes from
         try:
             while loop.iteration < num_iterations:
                 start = iteration_start(loop, parts, rng, envs, obs, rb)
@@ -1487,7 +1490,7 @@ def main(args: Args, on_evaluation: Callable[[int, float], None] | None = None) 
                 PPOPolicy(agent, obs_rms), args, writer, video_dir, device, loop.global_step, on_evaluation
             )
         metrics = reward_model_metrics(reward_model, prefs, rb, args, teacher.labels_are_free, loop.global_step, device)
-        summary = run_summary(run_name, args, loop, metrics | session.idle_seconds(), wall, start_step, interrupted) | {
+        summary = run_summary(run_name, args, loop, metrics | session.idle_seconds(), wall, start_step, interrupted, earlier_wall) | {
             "algorithm": "pref_ppo"
         }
         write_summary(run_dir, summary)

@@ -45,6 +45,7 @@ from cleanrlhf_utils.runs import (
     RunningMoments,
     cli,
     default_run_name,
+    earlier_wall_seconds,
     evaluate_and_log,
     frozen,
     load_checkpoint,
@@ -1050,6 +1051,7 @@ def main(args: Args, on_evaluation: Callable[[int, float], None] | None = None) 
         def checkpoint(folder: Path) -> None:
             pending.fill(predict_learned_rewards, rb)  # the saved buffer is complete; the values are those the run would use
             state = {"run_name": run_name, "args": public_settings(args), "loop": asdict(loop), "env": capture_env_state(envs, obs)}
+            state["wall_seconds"] = earlier_wall + time.time() - start_time  # the whole run's, across resumes
             save_checkpoint(folder, state | training_state(parts, rng) | session.rollback(), rb)  # in a reward update: the state before it
 
         if resume_state is not None or args.exploration_load:
@@ -1063,6 +1065,7 @@ def main(args: Args, on_evaluation: Callable[[int, float], None] | None = None) 
 
         progress = progress_bar(args, args.total_timesteps, loop.global_step)
         start_time, start_step, interrupted, recent_slots = time.time(), loop.global_step, False, None
+        earlier_wall = earlier_wall_seconds(resume_state)  # training seconds before the checkpoint this run resumes from
         try:
             while loop.global_step < args.total_timesteps:
                 step = loop.global_step
@@ -1162,7 +1165,7 @@ def main(args: Args, on_evaluation: Callable[[int, float], None] | None = None) 
         if not interrupted:
             loop.last_eval_return = evaluate_and_log(agent.actor, args, writer, video_dir, device, loop.global_step, on_evaluation)
         metrics = reward_model_metrics(reward_model, prefs, rb, args, teacher.labels_are_free, loop.global_step, device)
-        summary = run_summary(run_name, args, loop, metrics | session.idle_seconds(), wall, start_step, interrupted)
+        summary = run_summary(run_name, args, loop, metrics | session.idle_seconds(), wall, start_step, interrupted, earlier_wall)
         write_summary(run_dir, summary)
         if interrupted:
             raise KeyboardInterrupt

@@ -350,6 +350,12 @@ def cli(args_class: type, main: Callable) -> None:
         sys.exit(130)
 
 
+def earlier_wall_seconds(resume_state: dict | None) -> float:
+    """The training seconds a run spent before the checkpoint it resumes from (0: a fresh run, or a checkpoint from
+    before checkpoints kept them)."""
+    return float(resume_state.get("wall_seconds", 0.0)) if resume_state else 0.0
+
+
 def training_state(parts: dict, rng: np.random.Generator) -> dict:
     """What a checkpoint carries besides the replay buffer and the env: each part's state_dict() (networks,
     optimisers, buffers, normalisers, teacher), numpy's and torch's RNG."""
@@ -416,13 +422,17 @@ def log_feedback_session(writer, loop, session, reward_stats: dict, metrics: dic
         writer.add_scalar(f"reward_model/{name}", value, step)
 
 
-def run_summary(run_name: str, args, loop, metrics: dict, wall: float, start_step: int, interrupted: bool) -> dict:
-    """runs/<run>/summary.json of a preference-learning run (sweeps and the toolbox read it)."""
+def run_summary(
+    run_name: str, args, loop, metrics: dict, wall: float, start_step: int, interrupted: bool, earlier_wall: float = 0.0
+) -> dict:
+    """runs/<run>/summary.json of a preference-learning run (sweeps and the toolbox read it). `wall`: this process's
+    training seconds; `earlier_wall`: those of the processes before it (a resumed run's checkpoint keeps them), so
+    wall_seconds is the whole run's; sps is this process's (its steps over its seconds)."""
     return {
         "run_name": run_name, "env_id": args.env_id, "teacher_feedback_mode": args.teacher_feedback_mode,
         "global_step": loop.global_step, "final_eval_return": float(loop.last_eval_return), **success_summary(loop.last_eval_return),
         "labels_obtained": loop.labels_obtained, "queries_skipped": loop.queries_skipped, "feedback_sessions": loop.sessions_done,
-        **metrics, "wall_seconds": wall, "sps": (loop.global_step - start_step) / wall, "interrupted": interrupted,
+        **metrics, "wall_seconds": earlier_wall + wall, "sps": (loop.global_step - start_step) / wall, "interrupted": interrupted,
     }  # fmt: skip
 
 
