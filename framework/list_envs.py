@@ -16,7 +16,6 @@ from pathlib import Path
 
 import gymnasium as gym
 import numpy as np
-import tyro
 
 os.environ.setdefault("MUJOCO_GL", "egl")
 FRAMEWORK_DIR = Path(__file__).resolve().parent
@@ -210,7 +209,9 @@ def main(args: Args) -> list[dict]:
 
 
 if __name__ == "__main__":
-    cli_args = tyro.cli(Args)
+    from cleanrlhf_utils.arguments import parse_args  # tyro, its parse errors as one line
+
+    cli_args = parse_args(Args)
     if cli_args.check_one:
         print(json.dumps(check_env(cli_args.check_one, cli_args.segment_length, cli_args.width, cli_args.height)))
     else:

@@ -29,9 +29,9 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Literal
 
-import tyro
 import yaml
 
+from cleanrlhf_utils.arguments import parse_args
 from cleanrlhf_utils.runs import ConfigError, public_settings
 
 
@@ -417,7 +417,7 @@ def base_args(script: Script, sweep: Sweep, flags: Sequence[str]):
         raise SweepError(f"--{swept[0].replace('_', '-')} is swept by the config: it cannot also be set after --")
     if "run_name" in script_flag_names(flags, script):
         raise SweepError("--run-name cannot be set after --: the sweep names every trial's run")
-    return tyro.cli(script.Args, args=list(flags), default=replace(script.Args(), **sweep.fixed))
+    return parse_args(script.Args, args=list(flags), default=replace(script.Args(), **sweep.fixed))
 
 
 def check_sweep(sweep: Sweep, base, script: Script) -> None:
@@ -846,7 +846,7 @@ def split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
 
 def cli() -> None:
     own, script_flags = split_argv(sys.argv[1:])
-    args = tyro.cli(Args, args=own)
+    args = parse_args(Args, args=own)
     try:
         main(args, script_flags)
     except SweepError as error:

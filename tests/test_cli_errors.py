@@ -161,3 +161,51 @@ def test_main_fails_before_writing_anything(chdir_tmp, overrides, message):
         sac_rlhf.main(sac_rlhf.Args(progress_bar=False, cuda=False, total_timesteps=10, **overrides))
     assert message in str(error.value)
     assert list(chdir_tmp.iterdir()) == []
+
+
+# ----------------------------------------------------------------------------------------
+# What tyro itself rejects (an unknown flag, an invalid choice, a value of the wrong type, a missing argument): one
+# `error:` line naming the bad value and what is allowed, in every script that parses its flags with tyro
+# ----------------------------------------------------------------------------------------
+NOT_A_MODE = "error: --teacher-feedback-mode 'humna' is not one of: simulated, human, file"
+TYRO_CASES = [
+    ("sac_rlhf-misspelt-flag", "framework/sac_rlhf.py", ["--surf-tua", "0.9"], "error: unknown flag --surf-tua (did you mean --surf-tau?); see --help"),
+    ("sac_rlhf-partial-flag", "framework/sac_rlhf.py", ["--feedback-mode=human"], "error: unknown flag --feedback-mode (did you mean --teacher-feedback-mode?); see --help"),
+    ("sac_rlhf-invalid-choice", "framework/sac_rlhf.py", ["--teacher-feedback-mode", "humna"], NOT_A_MODE),
+    ("sac_rlhf-not-an-int", "framework/sac_rlhf.py", ["--seed", "abc"], "error: --seed expects INT, got 'abc'"),
+    ("pref_ppo-invalid-choice", "framework/pref_ppo.py", ["--teacher-feedback-mode=humna"], NOT_A_MODE),
+    ("sac-unknown-flag", "framework/sac.py", ["--foo-bar", "1"], "error: unknown flag --foo-bar; see --help"),
+    ("ppo-value-without-flag", "framework/ppo.py", ["--cuda", "yes"], "error: unexpected argument 'yes': every setting is a --flag (an on/off one takes no value: --x / --no-x); see --help"),
+    ("evaluation-missing", "framework/evaluation.py", [], "error: missing --path-to-model; see --help"),
+    ("sweep-misspelt-flag", "framework/sweep.py", ["--sweep-cuont", "3"], "error: unknown flag --sweep-cuont (did you mean --sweep-count?); see --help"),
+    ("sweep-script-flag", "framework/sweep.py", ["--config-filename", str(REPO_ROOT / "sweep_config/hopper.yaml"), "--", "--teacher-feedback-mode", "humna"], NOT_A_MODE),
+    ("list_envs-misspelt-flag", "framework/list_envs.py", ["--jbos", "2"], "error: unknown flag --jbos (did you mean --jobs?); see --help"),
+    ("compare-misspelt-flag", "toolbox/compare.py", ["runs/a", "--group-bye", "surf"], "error: unknown flag --group-bye (did you mean --group-by?); see --help"),
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tyro_results(tmp_path_factory):
+    """Every case at once (they are import-bound), each in an empty folder."""
+    processes = {}
+    for case_id, script, argv, _ in TYRO_CASES:
+        cwd = tmp_path_factory.mktemp(case_id)
+        command = [sys.executable, str(REPO_ROOT / script), *argv]
+        processes[case_id] = (
+            cwd,
+            subprocess.Popen(command, cwd=cwd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True),
+        )
+    results = {}
+    for case_id, (cwd, process) in processes.items():
+        stdout, stderr = process.communicate(timeout=180)
+        results[case_id] = (cwd, process.returncode, stdout, stderr)
+    return results
+
+
+@pytest.mark.parametrize(("case_id", "line"), [(case_id, line) for case_id, _, _, line in TYRO_CASES], ids=[c[0] for c in TYRO_CASES])
+def test_what_tyro_rejects_is_one_error_line(tyro_results, case_id, line):
+    cwd, returncode, stdout, stderr = tyro_results[case_id]
+    assert [text for text in stderr.splitlines() if text.strip()] == [line], stderr
+    assert returncode == 2
+    assert stdout == ""
+    assert list(cwd.iterdir()) == []  # nothing written

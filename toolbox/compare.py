@@ -26,6 +26,8 @@ from urllib.parse import quote
 import numpy as np
 import tyro
 
+from cleanrlhf_utils.arguments import parse_args
+
 # Every PNG has this size: FIG_SIZE inches at DPI dots per inch (800 x 450 pixels), saved without a
 # "tight" bounding box so the size never depends on the labels.
 FIG_SIZE = (8.0, 4.5)
@@ -939,7 +941,7 @@ def main(args: Args) -> dict:
 
 
 def cli() -> None:
-    args = tyro.cli(Args)
+    args = parse_args(Args)
     try:
         main(args)
     except CompareError as error:

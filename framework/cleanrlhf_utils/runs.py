@@ -332,12 +332,12 @@ def crossed(every: int, before: int, after: int) -> bool:
 
 def cli(args_class: type, main: Callable) -> None:
     """`python script.py --flags`: parse into args_class with tyro, run main, and map failures to exit codes:
-    bad input 2 (one line on stderr), an unreachable or refusing feedback server 1, Ctrl-C 130."""
-    import tyro
-
+    bad input 2 (one line on stderr, tyro's parse errors included), an unreachable or refusing feedback server 1,
+    Ctrl-C 130."""
+    from .arguments import parse_args
     from .feedback import FeedbackServerError
 
-    args = tyro.cli(args_class)
+    args = parse_args(args_class)
     try:
         main(args)
     except ConfigError as error:

@@ -1,0 +1,119 @@
+"""The command line of every script: tyro parses it (and writes --help), and input it rejects is reported as ONE line,
+`error: ...` naming the bad value and what is allowed, exit code 2, instead of tyro's multi-line box.
+
+Light on imports (no torch): the toolbox and list_envs.py use it too."""
+
+import contextlib
+import dataclasses
+import difflib
+import sys
+import typing
+from collections.abc import Sequence
+
+
+class UsageError(Exception):
+    """The one line a rejected command line prints after `error: `."""
+
+
+def known_flags(args_class: type) -> list[str]:
+    """The --flags tyro builds from a (flat or nested) dataclass: --name, and --no-name for a boolean."""
+    flags = []
+
+    def visit(cls: type, prefix: str) -> None:
+        hints = typing.get_type_hints(cls)
+        for field in dataclasses.fields(cls):
+            kind = hints.get(field.name)
+            if dataclasses.is_dataclass(kind):
+                visit(kind, f"{prefix}{field.name}.")
+                continue
+            name = f"{prefix}{field.name}".replace("_", "-")
+            flags.append(f"--{name}")
+            if kind is bool:
+                flags.append(f"--{prefix.replace('_', '-')}no-{field.name.replace('_', '-')}")
+
+    if dataclasses.is_dataclass(args_class):
+        visit(args_class, "")
+    return flags + ["--help"]
+
+
+def closest_flag(token: str, flags: Sequence[str]) -> str | None:
+    """The known flag a mistyped one most likely meant (None: nothing close)."""
+    name = token.split("=", 1)[0]
+    # A part of a name (--feedback-mode for --teacher-feedback-mode): the shortest flag containing it, else a misspelling.
+    containing = sorted((flag for flag in flags if len(name) > 5 and f"-{name[2:]}" in f"-{flag[2:]}"), key=len)
+    if containing:
+        return containing[0]
+    close = difflib.get_close_matches(name, flags, n=1, cutoff=0.75)
+    return close[0] if close else None
+
+
+def given_value(argv: Sequence[str], names: Sequence[str]) -> str | None:
+    """The value the command line gave a flag (`--flag value` or `--flag=value`; the last one wins)."""
+    value = None
+    for i, token in enumerate(argv):
+        flag, equals, rest = token.partition("=")
+        if flag in names:
+            value = rest if equals else (argv[i + 1] if i + 1 < len(argv) else None)
+    return value
+
+
+def one_line(event, args_class: type, argv: Sequence[str]) -> str | None:
+    """The one line of a tyro parse error (tyro._errors' events); None: an event these scripts cannot meet (tyro's own
+    message then)."""
+    from tyro import _errors
+
+    if isinstance(event, _errors.UnrecognizedArgs):
+        flags = [token for token in event.tokens if token.startswith("-")]
+        if not flags:  # values with no flag before them, e.g. a value given to an on/off flag (--surf yes)
+            listed = " ".join(repr(token) for token in event.tokens)
+            return f"unexpected argument {listed}: every setting is a --flag (an on/off one takes no value: --x / --no-x); see --help"
+        known = known_flags(args_class)
+        named = []
+        for flag in flags:
+            guess = closest_flag(flag, known)
+            named.append(f"{flag.split('=', 1)[0]}" + (f" (did you mean {guess}?)" if guess else ""))
+        return f"unknown flag{'s' if len(named) > 1 else ''} {', '.join(named)}; see --help"
+    argument = getattr(event, "argument", None)
+    flag = argument.display_name() if argument is not None else None
+    if isinstance(event, _errors.InvalidChoice):
+        return f"{flag} {event.value!r} is not one of: {', '.join(str(choice) for choice in event.choices)}"
+    if isinstance(event, _errors.InstantiationFailure):
+        if argument is None:
+            return event.message.replace("\n", " ")
+        value = given_value(argv, argument.lowered.name_or_flags)
+        expected = argument.lowered.metavar or "another value"
+        got = f"got {value!r}" if value is not None else event.message.replace("\n", " ")
+        return f"{flag} expects {expected}, {got}"
+    if isinstance(event, _errors.BadValue):
+        if event.reason == "fixed":
+            return f"{flag} takes no value, got {event.offending_value!r}"
+        metavar = argument.lowered.metavar
+        return f"{flag} needs a value ({metavar})" if metavar else f"{flag} needs a value"
+    if isinstance(event, _errors.MissingArgs):
+        names = [context.arg.display_name() for context in event.missing_arguments]
+        return f"missing {', '.join(names)}; see --help"
+    return None
+
+
+def parse_args(args_class: type, args: Sequence[str] | None = None, default=None):
+    """tyro.cli(args_class, args=args, default=default), with a rejected command line printed as one `error:` line on
+    stderr and exit code 2. --help is tyro's, untouched."""
+    import tyro
+
+    argv = list(sys.argv[1:] if args is None else args)
+    try:  # tyro's hook into its parse errors (tyro 1.0); where it is missing, tyro prints its own box
+        from tyro._errors import on_parse_error
+    except ImportError:
+        on_parse_error = None
+
+    def report(event) -> None:
+        line = one_line(event, args_class, argv)
+        if line is not None:
+            raise UsageError(line)
+
+    try:
+        with on_parse_error(report) if on_parse_error is not None else contextlib.nullcontext():
+            return tyro.cli(args_class, args=argv, default=default)
+    except UsageError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
