@@ -57,9 +57,9 @@ import gymnasium as gym  # noqa: E402
 import sac_rlhf  # noqa: E402
 from cleanrlhf_utils.envs import SegmentRenderer, get_physics_state, segment_frames, set_physics_state, write_mp4
 from cleanrlhf_utils.feedback import CHOICE_LABELS, FeedbackClient, HumanTeacher
+from cleanrlhf_utils.protocol import CHOICES
 
 SERVER = REPO / "humanFeedback" / "feedback_server.py"
-CHOICES = ("left", "right", "tie", "skip")
 POLL_SECONDS = 0.02
 
 

@@ -72,23 +72,27 @@ from flask import Blueprint, Flask, Response, current_app, g, jsonify, request, 
 from waitress import create_server
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
-CHOICES = ("left", "right", "tie", "skip")
-TOKEN_HEADER = "X-Feedback-Token"
+from cleanrlhf_utils import protocol
+from cleanrlhf_utils.protocol import (
+    CHOICES,
+    MAX_ANSWERS_LIMIT,
+    MAX_ID,
+    MAX_INSTRUCTIONS,
+    MAX_META_BYTES,
+    MAX_TEXT,
+    PHASES,
+    TOKEN_COOKIE,
+    TOKEN_ENV,
+    TOKEN_HEADER,
+)
+
 DEFAULT_MAX_UPLOAD_BYTES = 50 * 1024 * 1024
 CLIP_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,195}\.mp4$")
 CLIP_NAME_RULE = "a plain file name of letters, digits, '_', '-', '.' ending in .mp4 (no '/', '\\', '..' or leading dot)"
-MAX_TEXT = 200
-MAX_META_BYTES = 64 * 1024  # a run's meta, as JSON
 MAX_JSON_BYTES = MAX_META_BYTES + 16 * 1024  # a JSON request body
-MAX_ANSWERS_LIMIT = 10_000
-MAX_INSTRUCTIONS = 500  # characters of a run's instructions shown above its clips
-PHASES = ("training", "labelling", "updating", "finished", "stopped")  # what a trainer may report it is doing
 STALE_SECONDS = 120  # a progress report older than this is shown as the last news, not as what happens now
-MAX_INT = 2**63 - 1  # SQLite INTEGER range
 BATCH_ROWS = 256  # rows of an upload committed per write transaction, so no upload holds the write lock for long
 DB_TIMEOUT_SECONDS = 10  # how long a request waits for the write lock before it is answered 503 with Retry-After
-TOKEN_ENV = "FEEDBACK_SERVER_TOKEN"  # the token, when --token is not given (how the trainer passes it to a server it starts)
-TOKEN_COOKIE = "feedback_token"  # set by the page route from ?token=, so clip and API URLs need not carry it
 UPLOAD_ENDPOINTS = ("api.upload_queries", "api.upload_evaluations")
 STATIC_DIR = Path(__file__).resolve().parent / "static"
 SCHEMA_PATH = Path(__file__).resolve().parent / "schema.sql"
@@ -214,7 +218,7 @@ def annotator_arg(value) -> str:
 
 def id_value(value, what: str):
     """Segment ids and sessions: an integer or a non-empty string."""
-    ok_int = isinstance(value, int) and not isinstance(value, bool) and abs(value) <= MAX_INT
+    ok_int = isinstance(value, int) and not isinstance(value, bool) and abs(value) <= MAX_ID
     if not (ok_int or (isinstance(value, str) and value and len(value) <= MAX_TEXT)):
         raise ApiError(400, f"{what} is {value!r}; it must be a 64-bit integer or a non-empty string of at most {MAX_TEXT} characters.")
     return value
@@ -226,7 +230,7 @@ def check_clip_name(name, what: str) -> str:
     return name
 
 
-def int_arg(name: str, default: int, minimum: int = 0, maximum: int = MAX_INT) -> int:
+def int_arg(name: str, default: int, minimum: int = 0, maximum: int = MAX_ID) -> int:
     raw = request.args.get(name)
     if raw is None or raw == "":
         return default
@@ -235,7 +239,7 @@ def int_arg(name: str, default: int, minimum: int = 0, maximum: int = MAX_INT) -
     except ValueError:
         value = None
     if value is None or value < minimum or value > maximum:
-        allowed = f"an integer >= {minimum}" + (f" and <= {maximum}" if maximum < MAX_INT else "")
+        allowed = f"an integer >= {minimum}" + (f" and <= {maximum}" if maximum < MAX_ID else "")
         raise ApiError(400, f"Query parameter {name}={raw!r} is not allowed; use {allowed}.")
     return value
 
@@ -255,7 +259,7 @@ def require_query(con: sqlite3.Connection, query_id: int) -> sqlite3.Row:
 
 
 def clip_url(run_id: int, name: str) -> str:
-    return f"/clips/{run_id}/{name}"
+    return protocol.path(protocol.CLIP, run_id=run_id, name=name)
 
 
 # --------------------------------------------------------------------------------------------
@@ -480,7 +484,7 @@ def check_evaluation_entry(i: int, item, clips_named: set[str]) -> tuple:
     ret, step = item["predicted_return"], item["step"]
     if isinstance(ret, bool) or not isinstance(ret, (int, float)) or not math.isfinite(ret):
         raise ApiError(400, f"evaluations[{i}].predicted_return is {ret!r}; it must be a finite number.")
-    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_INT:
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_ID:
         raise ApiError(400, f"evaluations[{i}].step is {step!r}; it must be an integer >= 0.")
     if name in clips_named:
         raise ApiError(400, f"evaluations[{i}].clip {name!r} appears twice; each clip gets one evaluation.")
@@ -575,10 +579,10 @@ def run_payload(r: sqlite3.Row, with_meta: bool = False) -> dict:
 # --------------------------------------------------------------------------------------------
 
 page = Blueprint("page", __name__)
-clips = Blueprint("clips", __name__, url_prefix="/clips")
+clips = Blueprint("clips", __name__)
 
 
-@page.get("/")
+@page.get(protocol.PAGE)
 def annotation_page():
     resp = send_from_directory(STATIC_DIR, "index.html", mimetype="text/html", max_age=0)
     resp.headers["Cache-Control"] = "no-store"
@@ -589,7 +593,7 @@ def annotation_page():
     return resp
 
 
-@page.get("/static/js/<name>")
+@page.get(protocol.PAGE_SCRIPT)
 def page_script(name: str):
     """The page's ES modules (static/js/*.js): served as JavaScript, which a browser requires of a module script."""
     resp = send_from_directory(STATIC_DIR / "js", name, mimetype="text/javascript", max_age=0)
@@ -597,7 +601,7 @@ def page_script(name: str):
     return resp
 
 
-@clips.get("/<int:run_id>/<path:name>")
+@clips.get(protocol.CLIP)
 def serve_clip(run_id: int, name: str):
     check_clip_name(name, "Clip name")
     require_run(db(), run_id)
@@ -609,10 +613,10 @@ def serve_clip(run_id: int, name: str):
 # API blueprint: config and runs
 # --------------------------------------------------------------------------------------------
 
-api = Blueprint("api", __name__, url_prefix="/api")
+api = Blueprint("api", __name__)
 
 
-@api.get("/config")
+@api.get(protocol.CONFIG)
 def show_config():
     return jsonify(
         choices=cfg("choices"),
@@ -624,18 +628,18 @@ def show_config():
     )
 
 
-@api.get("/runs")
+@api.get(protocol.RUNS)
 def list_runs():
     rows = db().execute("SELECT id, name, env_id, created_at FROM runs ORDER BY id").fetchall()
     return jsonify(runs=[run_payload(r) for r in rows])
 
 
-@api.get("/runs/<int:run_id>")
+@api.get(protocol.RUN)
 def show_run(run_id: int):
     return jsonify(run_payload(require_run(db(), run_id), with_meta=True))
 
 
-@api.post("/runs")
+@api.post(protocol.RUNS)
 def create_run():
     body = json_body(("name", "env_id", "meta"))
     name = text_field(body, "name")
@@ -667,7 +671,7 @@ def create_run():
     return jsonify(run_id=run_id, created=True), 201
 
 
-@api.get("/runs/<int:run_id>/status")
+@api.get(protocol.RUN_STATUS)
 def run_status(run_id: int):
     con = db()
     require_run(con, run_id)
@@ -681,7 +685,7 @@ def run_status(run_id: int):
     return jsonify(run_id=run_id, queries=total, labelled=labelled, pending=total - labelled, choices=by_choice)
 
 
-def count_field(body: dict, key: str, maximum: int = MAX_INT) -> int | None:
+def count_field(body: dict, key: str, maximum: int = MAX_ID) -> int | None:
     value = body.get(key)
     if value is None:
         return None
@@ -703,7 +707,7 @@ PROGRESS_COUNTS = ("step", "total_steps", "sessions_done", "sessions_total", "ne
 PROGRESS_FIELDS = (*PROGRESS_COUNTS, "phase", "session", "seconds_to_next_session", "steps_per_second")
 
 
-@api.post("/runs/<int:run_id>/progress")
+@api.post(protocol.RUN_PROGRESS)
 def report_progress(run_id: int):
     """The trainer's news, shown on the page between sessions; with session and session_size it also declares how
     many pairs that session will have.  Each report replaces the previous one."""
@@ -750,7 +754,7 @@ def progress_reports(con: sqlite3.Connection, run_id: int | None) -> list[dict]:
     return reports
 
 
-@api.get("/runs/<int:run_id>/progress")
+@api.get(protocol.RUN_PROGRESS)
 def show_progress(run_id: int):
     con = db()
     require_run(con, run_id)
@@ -763,19 +767,19 @@ def show_progress(run_id: int):
 # --------------------------------------------------------------------------------------------
 
 
-@api.post("/runs/<int:run_id>/queries")
+@api.post(protocol.RUN_QUERIES)
 def upload_queries(run_id: int):
     return jsonify(query_ids=store_batch(run_id, "queries", check_query_entry, find_query, insert_query)), 201
 
 
-@api.get("/next")
+@api.get(protocol.NEXT_QUERY)
 def next_query():
     annotator = annotator_arg(request.args.get("annotator"))
     run_id = int_arg("run_id", default=0, minimum=1) if request.args.get("run_id") else None
     exclude = []
     raw_exclude = request.args.get("exclude", "")
     for part in filter(None, (p.strip() for p in raw_exclude.split(","))):
-        if not (part.isascii() and part.isdigit()) or int(part) > MAX_INT:
+        if not (part.isascii() and part.isdigit()) or int(part) > MAX_ID:
             raise ApiError(400, f"exclude={raw_exclude!r} is not allowed; use a comma-separated list of query ids.")
         exclude.append(int(part))
     with write_transaction() as con:
@@ -802,7 +806,7 @@ def next_query():
     return jsonify(payload)
 
 
-@api.post("/queries/<int:query_id>/label")
+@api.post(protocol.QUERY_LABEL)
 def label_query(query_id: int):
     require_query(db(), query_id)
     body = json_body(("choice", "annotator"))
@@ -848,7 +852,7 @@ def label_query(query_id: int):
     return jsonify(label_id=label_id, query_id=query_id, choice=choice, updated=updated, progress=progress), status
 
 
-@api.post("/queries/<int:query_id>/undo")
+@api.post(protocol.QUERY_UNDO)
 def undo_label(query_id: int):
     if not cfg("allow_editing"):
         raise ApiError(403, "Undo is disabled on this server (--no-editing); labels cannot be changed.")
@@ -872,7 +876,7 @@ def undo_label(query_id: int):
     return jsonify(undone_label_id=old["id"], query=payload)
 
 
-@api.get("/runs/<int:run_id>/answers")
+@api.get(protocol.RUN_ANSWERS)
 def answers(run_id: int):
     after = int_arg("after", default=0, minimum=0)
     limit = int_arg("limit", default=MAX_ANSWERS_LIMIT, minimum=1, maximum=MAX_ANSWERS_LIMIT)
@@ -904,12 +908,12 @@ def answers(run_id: int):
 # --------------------------------------------------------------------------------------------
 
 
-@api.post("/runs/<int:run_id>/evaluations")
+@api.post(protocol.RUN_EVALUATIONS)
 def upload_evaluations(run_id: int):
     return jsonify(evaluation_ids=store_batch(run_id, "evaluations", check_evaluation_entry, find_evaluation, insert_evaluation)), 201
 
 
-@api.get("/runs/<int:run_id>/evaluations")
+@api.get(protocol.RUN_EVALUATIONS)
 def list_evaluations(run_id: int):
     con = db()
     require_run(con, run_id)
@@ -981,8 +985,8 @@ def check_token():
 def check_ids():
     """Ids in the path are SQLite integers: a larger one is a 400 naming it, never an OverflowError."""
     for key, value in (request.view_args or {}).items():
-        if isinstance(value, int) and value > MAX_INT:
-            raise ApiError(400, f"{key} {value} is not allowed; ids are integers from 1 to {MAX_INT}.")
+        if isinstance(value, int) and value > MAX_ID:
+            raise ApiError(400, f"{key} {value} is not allowed; ids are integers from 1 to {MAX_ID}.")
 
 
 def check_write_request():

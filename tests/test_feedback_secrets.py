@@ -30,7 +30,7 @@ def test_an_autostarted_server_gets_the_token_outside_its_command_line(tmp_path)
     process = start_feedback_server(url, log_path, TOKEN)
     try:
         cmdline = Path(f"/proc/{process.pid}/cmdline").read_bytes()
-        assert b"feedback_server.py" in cmdline and TOKEN.encode() not in cmdline
+        assert b"humanFeedback.feedback_server" in cmdline and TOKEN.encode() not in cmdline
         assert requests.get(url + "/api/config", timeout=5).status_code == 401  # the server did get the token
         client = FeedbackClient(url, TOKEN)
         assert client.create_run("autostart", "Hopper-v5", {}) >= 1

@@ -19,6 +19,7 @@ from typing import Literal
 
 import numpy as np
 
+from . import protocol
 from .envs import SegmentRenderer, check_can_render, segment_frames, write_mp4
 from .runs import need, training_state
 
@@ -96,7 +97,8 @@ def validate_feedback_args(args: FeedbackArgs) -> None:
     )
 
 
-CHOICE_LABELS = {"left": 0.0, "right": 1.0, "tie": 0.5, "skip": float("nan")}  # left clip = segment 0
+# What each of the protocol's choices means as a label (the left clip is segment 0).
+CHOICE_LABELS = dict(zip(protocol.CHOICES, (0.0, 1.0, 0.5, float("nan")), strict=True))
 
 
 class FeedbackServerError(RuntimeError):
@@ -131,7 +133,7 @@ class FeedbackClient:
         import urllib.error
         import urllib.request
 
-        headers = {"X-Feedback-Token": self.token} if self.token else {}
+        headers = {protocol.TOKEN_HEADER: self.token} if self.token else {}
         data = None
         if json_body is not None:
             data, headers["Content-Type"] = json.dumps(json_body).encode(), "application/json"
@@ -161,31 +163,36 @@ class FeedbackClient:
 
     def alive(self) -> bool:
         try:
-            self.request("GET", "/api/config", retry=False)
+            self.request("GET", protocol.CONFIG, retry=False)
             return True
         except FeedbackServerError as error:
             return "HTTP" in str(error) and "401" not in str(error) and "403" not in str(error)
 
     def create_run(self, name: str, env_id: str, meta: dict) -> int:
-        return int(self.request("POST", "/api/runs", json_body={"name": name, "env_id": env_id, "meta": meta})["run_id"])
+        return int(self.request("POST", protocol.RUNS, json_body={"name": name, "env_id": env_id, "meta": meta})["run_id"])
 
     def upload_queries(self, run_id: int, queries: list[dict], clips: dict[str, Path]) -> list[int]:
-        return self.request("POST", f"/api/runs/{run_id}/queries", fields={"queries": json.dumps(queries)}, files=clips)["query_ids"]
+        return self.request(
+            "POST", protocol.path(protocol.RUN_QUERIES, run_id=run_id), fields={"queries": json.dumps(queries)}, files=clips
+        )["query_ids"]
 
     def answers(self, run_id: int, after: int, retry: bool = True) -> tuple[list[dict], int]:
-        reply = self.request("GET", f"/api/runs/{run_id}/answers?after={after}", retry=retry)
+        reply = self.request("GET", f"{protocol.path(protocol.RUN_ANSWERS, run_id=run_id)}?after={after}", retry=retry)
         return reply["answers"], int(reply["cursor"])
 
     def upload_evaluations(self, run_id: int, evaluations: list[dict], clips: dict[str, Path]) -> None:
-        self.request("POST", f"/api/runs/{run_id}/evaluations", fields={"evaluations": json.dumps(evaluations)}, files=clips)
+        self.request(
+            "POST", protocol.path(protocol.RUN_EVALUATIONS, run_id=run_id), fields={"evaluations": json.dumps(evaluations)}, files=clips
+        )
 
     def report_progress(self, run_id: int, report: dict, retry: bool = True) -> None:
-        self.request("POST", f"/api/runs/{run_id}/progress", json_body=report, retry=retry)
+        self.request("POST", protocol.path(protocol.RUN_PROGRESS, run_id=run_id), json_body=report, retry=retry)
 
 
 def start_feedback_server(url: str, log_path: Path, token: str | None = None, data_dir: Path | None = None):
-    """Starts humanFeedback/feedback_server.py on the URL's port unless a server already answers there; its database
-    and clips go to data_dir (default: feedback_data in the current directory)."""
+    """Starts the feedback server (the installed humanFeedback package, as `python -m humanFeedback.feedback_server`)
+    on the URL's port unless a server already answers there; its database and clips go to data_dir (default:
+    feedback_data in the current directory)."""
     import subprocess
     from urllib.parse import urlparse
 
@@ -193,13 +200,13 @@ def start_feedback_server(url: str, log_path: Path, token: str | None = None, da
     if client.alive():
         return None
     parsed = urlparse(url)
-    server = Path(__file__).resolve().parents[2] / "humanFeedback" / "feedback_server.py"
-    command = [sys.executable, str(server), "--host", parsed.hostname or "127.0.0.1", "--port", str(parsed.port or 5001)]
+    host, port = parsed.hostname or "127.0.0.1", str(parsed.port or 5001)
+    command = [sys.executable, "-m", "humanFeedback.feedback_server", "--host", host, "--port", port]
     if data_dir is not None:
         command += ["--data-dir", str(data_dir)]
-    env = {key: value for key, value in os.environ.items() if key != "FEEDBACK_SERVER_TOKEN"}
+    env = {key: value for key, value in os.environ.items() if key != protocol.TOKEN_ENV}
     if token:
-        env["FEEDBACK_SERVER_TOKEN"] = token  # not --token: a command line is visible to every user in ps
+        env[protocol.TOKEN_ENV] = token  # not --token: a command line is visible to every user in ps
     log_path.parent.mkdir(parents=True, exist_ok=True)
     process = subprocess.Popen(command, stdout=open(log_path, "a"), stderr=subprocess.STDOUT, env=env)
     deadline = time.monotonic() + 30

@@ -1,0 +1,162 @@
+"""One owner for the feedback protocol: the server serves exactly the routes cleanrlhf_utils.protocol names, the
+trainer's client and the page call only those, and an installed (not editable) project starts the server, by its
+entry point and by the trainer's autostart, from outside the checkout."""
+
+import math
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from cleanrlhf_utils import protocol
+from cleanrlhf_utils.feedback import CHOICE_LABELS
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from humanFeedback import feedback_server  # noqa: E402
+
+ROUTES = {name: value for name, value in vars(protocol).items() if name.isupper() and isinstance(value, str) and value.startswith("/")}
+
+
+def test_the_server_serves_exactly_the_protocols_routes(tmp_path):
+    app = feedback_server.create_app(tmp_path)
+    served = {rule.rule for rule in app.url_map.iter_rules()}
+    assert served == set(ROUTES.values())
+
+
+def test_path_fills_a_route_and_refuses_missing_or_extra_values():
+    assert protocol.path(protocol.RUN_ANSWERS, run_id=3) == "/api/runs/3/answers"
+    assert protocol.path(protocol.CLIP, run_id=1, name="a.mp4") == "/clips/1/a.mp4"
+    assert protocol.path(protocol.CONFIG) == "/api/config"
+    with pytest.raises(TypeError, match="takes run_id; got query_id"):
+        protocol.path(protocol.RUN_QUERIES, query_id=3)
+    with pytest.raises(TypeError, match="takes no values; got run_id"):
+        protocol.path(protocol.RUNS, run_id=3)
+
+
+def test_every_choice_has_one_label_and_the_server_offers_the_protocols_choices(tmp_path):
+    assert tuple(CHOICE_LABELS) == protocol.CHOICES
+    assert (CHOICE_LABELS["left"], CHOICE_LABELS["right"], CHOICE_LABELS["tie"]) == (0.0, 1.0, 0.5)
+    assert math.isnan(CHOICE_LABELS["skip"])
+    config = feedback_server.create_app(tmp_path).test_client().get(protocol.CONFIG).get_json()
+    assert config["choices"] == list(protocol.CHOICES)
+
+
+def test_the_page_calls_only_protocol_routes():
+    script = (REPO / "humanFeedback/static/js/api.js").read_text()
+    called = re.findall(r'["`](/api/[^"`?]*)', script)
+    assert len(called) >= 6
+    patterns = [re.compile("^" + re.sub(r"<(?:\w+:)?\w+>", r"[^/]+", rule) + "$") for rule in ROUTES.values()]
+    for url in called:
+        url = re.sub(r"\$\{[^}]*\}", "X", url)  # a template literal's ${...} fills a route variable
+        assert any(p.match(url) for p in patterns), url
+    assert protocol.TOKEN_HEADER in script
+
+
+def test_no_protocol_literal_is_written_outside_its_owner():
+    """The header, the token's variable and the routes are string literals only in protocol.py (and the page's api.js)."""
+    for path in [REPO / "framework/cleanrlhf_utils/feedback.py", REPO / "humanFeedback/feedback_server.py"]:
+        code = path.read_text()
+        for literal in (protocol.TOKEN_HEADER, protocol.TOKEN_ENV, protocol.TOKEN_COOKIE):
+            assert f'"{literal}"' not in code, (path, literal)
+        assert not re.search(r'["\'](/api/|/clips/|/static/)', code), path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(url: str, seconds: float = 30.0) -> bytes:
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                return response.read()
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory) -> Path:
+    """A fresh venv with the project installed (not editable); its dependencies, pip and setuptools come from this
+    interpreter's site-packages, so only the project itself is installed and nothing is downloaded."""
+    root = tmp_path_factory.mktemp("installed")
+    venv = root / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True, timeout=120)
+    python = venv / "bin" / "python"
+    build = root / "build"
+    shutil.copytree(REPO, build, ignore=shutil.ignore_patterns(".git", "runs", "models", "videos", "bench", "*.egg-info", "__pycache__"))
+    result = subprocess.run(
+        [python, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index", "-q", str(build)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    shutil.rmtree(build)  # from here on, nothing of a checkout but this test's own REPO, which the venv must not use
+    return venv
+
+
+def run_outside(venv: Path, code: str, cwd: Path, **env) -> subprocess.CompletedProcess:
+    environment = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", protocol.TOKEN_ENV)} | env
+    return subprocess.run([venv / "bin/python", "-c", code], cwd=cwd, capture_output=True, text=True, timeout=120, env=environment)
+
+
+def test_the_installed_package_is_imported_from_the_venv_not_the_checkout(installed, tmp_path):
+    result = run_outside(
+        installed, "import humanFeedback, cleanrlhf_utils; print(humanFeedback.__file__, cleanrlhf_utils.__file__)", tmp_path
+    )
+    assert result.returncode == 0, result.stderr
+    for location in result.stdout.split():
+        assert str(installed) in location and str(REPO) not in location
+
+
+def test_the_installed_entry_point_serves_the_page_and_its_modules(installed, tmp_path):
+    port = free_port()
+    log = open(tmp_path / "server.log", "w")
+    server = subprocess.Popen(
+        [installed / "bin/cleanrlhf-feedback-server", "--port", str(port), "--data-dir", str(tmp_path / "data")],
+        cwd=tmp_path,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        base = f"http://127.0.0.1:{port}"
+        assert b'"choices"' in wait_for(base + protocol.CONFIG)
+        page = wait_for(base + "/").decode()
+        assert '<script type="module" src="/static/js/main.js">' in page
+        assert b"import" in wait_for(base + protocol.path(protocol.PAGE_SCRIPT, name="main.js"))
+        assert (tmp_path / "data" / "feedback.sqlite3").exists()  # schema.sql shipped with the package
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def test_the_trainers_autostart_works_from_an_installed_package_outside_the_checkout(installed, tmp_path):
+    port = free_port()
+    code = f"""
+from pathlib import Path
+from cleanrlhf_utils.feedback import FeedbackClient, start_feedback_server
+process = start_feedback_server("http://127.0.0.1:{port}", Path("server.log"), token="s3cret", data_dir=Path("data"))
+try:
+    client = FeedbackClient("http://127.0.0.1:{port}", "s3cret", retry_seconds=5)
+    print("run", client.create_run("outside", "Hopper-v5", {{}}))
+finally:
+    process.terminate()
+    process.wait(timeout=30)
+"""
+    result = run_outside(installed, code, tmp_path)
+    assert result.returncode == 0, result.stderr + (tmp_path / "server.log").read_text()
+    assert result.stdout.split() == ["run", "1"]
+    assert "s3cret" not in (tmp_path / "server.log").read_text()
