@@ -26,7 +26,7 @@ def test_ci_runs_the_readme_test_command_verbatim():
     assert test_command == "python -m pytest -q"
     ci_lines = [line.strip() for line in (REPO / ".ci/run").read_text().splitlines()]
     assert test_command in ci_lines
-    assert "python -m pip install torch==2.13.0" in ci_lines, "CI pins the CPU torch wheel before anything else"
+    assert "python -m pip install torch==2.13.0 -c requirements/constraints.txt" in ci_lines, "CI pins the CPU torch wheel before anything else"
     assert ci_lines.index("ruff check .") < ci_lines.index(test_command), "CI lints before the tests"
     assert ci_lines.index("ruff format --check .") < ci_lines.index(test_command)
 
