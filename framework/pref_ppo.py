@@ -211,9 +211,9 @@ class PreferenceArgs:
     teacher_feedback_schedule: Literal["linear", "exponential"] = "exponential"
     """`linear`: every session asks the same number of queries; `exponential`: earlier sessions ask more"""
     teacher_feedback_total_queries: int = 1000
-    """total number of queries over the run"""
+    """total number of queries over the run (human mode, unless given: 100)"""
     teacher_feedback_num_queries_per_session: int = 100
-    """queries per session (the average under the exponential schedule)"""
+    """queries per session (the average under the exponential schedule; human mode, unless given: 10)"""
     teacher_feedback_exponential_decay: float = 0.8
     """ratio between consecutive sessions' query counts under the exponential schedule"""
     teacher_feedback_frequency: int = 10_000

@@ -36,6 +36,17 @@ def known_flags(args_class: type) -> list[str]:
     return flags + ["--help"]
 
 
+def given_fields(argv: Sequence[str], args_class: type) -> set[str]:
+    """The settings a command line sets explicitly (field names): --name, --name=value, --no-name."""
+    names = {field.name for field in dataclasses.fields(args_class)} if dataclasses.is_dataclass(args_class) else set()
+    given = set()
+    for token in argv:
+        if token.startswith("--"):
+            name = token[2:].split("=", 1)[0].replace("-", "_")
+            given.add(name[3:] if name not in names and name.startswith("no_") else name)
+    return given
+
+
 def closest_flag(token: str, flags: Sequence[str]) -> str | None:
     """The known flag a mistyped one most likely meant (None: nothing close)."""
     name = token.split("=", 1)[0]

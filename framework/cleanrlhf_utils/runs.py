@@ -9,7 +9,7 @@ import random
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -330,14 +330,48 @@ def crossed(every: int, before: int, after: int) -> bool:
     return every > 0 and before // every < after // every
 
 
+HUMAN_LABEL_DEFAULTS = {"teacher_feedback_total_queries": 100, "teacher_feedback_num_queries_per_session": 10}
+"""The label budget of --teacher-feedback-mode human where the command line sets none: 100 labels in 10 sessions, 22
+pairs in the first under the default exponential schedule (a few minutes of a person's time, at a few seconds a pair),
+instead of the synthetic teacher's 1000 in sessions from 224 pairs down; the human sweep (sweep_config/human.yaml)
+uses the same budget."""
+
+
+def human_sized_defaults(args, given: set[str], schedule: Callable | None = None):
+    """`args` with HUMAN_LABEL_DEFAULTS for each budget flag the command line did not set, in human mode (else `args`
+    itself), saying so in one line. `schedule`: the script's feedback_schedule, to say what the first session asks."""
+    if getattr(args, "teacher_feedback_mode", None) != "human":
+        return args
+    applied = {name: value for name, value in HUMAN_LABEL_DEFAULTS.items() if name not in given}
+    if not applied:
+        return args
+    args = replace(args, **applied)
+    flags = " ".join(f"--{name.replace('_', '-')} {value}" for name, value in applied.items())
+    total, per_session = args.teacher_feedback_total_queries, args.teacher_feedback_num_queries_per_session
+    sessions = schedule(total, per_session, args.teacher_feedback_schedule, args.teacher_feedback_exponential_decay) if schedule else []
+    plan = f"{sum(sessions)} labels over {len(sessions)} sessions, {sessions[0]} in the first" if sessions else f"{total} labels"
+    print(f"human mode: {plan} (human-sized defaults {flags}; give these flags to choose otherwise)")
+    return args
+
+
+def command_line_args(args_class: type, argv: list[str] | None = None):
+    """The settings a command line (default: sys.argv[1:]) asks for: tyro's parse (its errors as one line), then, in
+    human mode, human-sized defaults for the label budget flags it does not set."""
+    from .arguments import given_fields, parse_args
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(args_class, argv)
+    schedule = getattr(sys.modules.get(args_class.__module__), "feedback_schedule", None)
+    return human_sized_defaults(args, given_fields(argv, args_class), schedule)
+
+
 def cli(args_class: type, main: Callable) -> None:
     """`python script.py --flags`: parse into args_class with tyro, run main, and map failures to exit codes:
     bad input 2 (one line on stderr, tyro's parse errors included), an unreachable or refusing feedback server 1,
     Ctrl-C 130."""
-    from .arguments import parse_args
     from .feedback import FeedbackServerError
 
-    args = parse_args(args_class)
+    args = command_line_args(args_class)
     try:
         main(args)
     except ConfigError as error:
