@@ -43,10 +43,15 @@ def start_script(script: str, flags: list[str], workdir: Path, threads: int = 1,
     return start_process([str(FRAMEWORK / script), "--no-progress-bar", *flags], workdir, threads, log)
 
 
-def start_process(argv: list[str], workdir: Path, threads: int = 1, log: Path | None = None) -> subprocess.Popen:
-    """Starts `python argv...` in workdir with `threads` intra-op threads, headless, W&B offline."""
+def start_process(
+    argv: list[str], workdir: Path, threads: int = 1, log: Path | None = None, import_from: Path | None = None
+) -> subprocess.Popen:
+    """Starts `python argv...` in workdir with `threads` intra-op threads, headless, W&B offline. `import_from`: a
+    checkout's framework/ whose modules the process imports instead of the installed ones (another commit's)."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "MUJOCO_GL": os.environ.get("MUJOCO_GL", "egl")}
     env.setdefault("WANDB_MODE", "offline")
+    if import_from is not None:
+        env["PYTHONPATH"] = str(import_from)
     workdir.mkdir(parents=True, exist_ok=True)
     out = open(log, "w") if log else subprocess.DEVNULL
     return subprocess.Popen([sys.executable, *argv], cwd=workdir, env=env, stdout=out, stderr=subprocess.STDOUT)

@@ -6,16 +6,14 @@ one critic update (forward, MSE loss, backward, Adam step) on a SAC batch, one t
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn as nn
-from common import FRAMEWORK, REPO, machine_info, print_table, write_json
+from common import REPO, machine_info, print_table, write_json
 
-sys.path.insert(0, str(FRAMEWORK))
-import sac_rlhf  # noqa: E402
+import sac_rlhf
 
 
 def main() -> None:

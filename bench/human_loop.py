@@ -37,24 +37,22 @@ import os
 
 os.environ.setdefault("MUJOCO_GL", "egl")  # before anything imports mujoco
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import socket  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-import threading  # noqa: E402
-import time  # noqa: E402
-import urllib.request  # noqa: E402
-from pathlib import Path  # noqa: E402
+import argparse
+import json
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
 
-import numpy as np  # noqa: E402
-from common import FRAMEWORK, REPO, machine_info, print_table, write_json  # noqa: E402
+import gymnasium as gym
+import numpy as np
+from common import REPO, machine_info, print_table, write_json
 
-sys.path.insert(0, str(FRAMEWORK))
-import gymnasium as gym  # noqa: E402
-
-import sac_rlhf  # noqa: E402
+import sac_rlhf
 from cleanrlhf_utils.envs import SegmentRenderer, get_physics_state, segment_frames, set_physics_state, write_mp4
 from cleanrlhf_utils.feedback import CHOICE_LABELS, FeedbackClient, HumanTeacher
 from cleanrlhf_utils.protocol import CHOICES

@@ -10,17 +10,15 @@ After every feedback session PEBBLE recomputes the learned reward of every store
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
-from common import FRAMEWORK, REPO, machine_info, print_table, write_json
+from common import REPO, machine_info, print_table, write_json
 
-sys.path.insert(0, str(FRAMEWORK))
-import sac_rlhf  # noqa: E402
-from cleanrlhf_utils.buffers import ReplayBuffer  # noqa: E402
+import sac_rlhf
+from cleanrlhf_utils.buffers import ReplayBuffer
 
 
 def ensemble_flops_per_row(input_dim: int, members: int, hidden: int, layers: int) -> int:

@@ -134,7 +134,6 @@ def child(framework: str, script: str, start: str, output: str, *flags: str) -> 
     """One benchmark run: `script` of `framework` run in this process, its window timed; the result as JSON."""
     import tyro
 
-    sys.path.insert(0, framework)
     module, sac_rlhf = importlib.import_module(script[:-3]), importlib.import_module("sac_rlhf")
     assert Path(module.__file__).parent == Path(framework), f"imported {module.__file__}, not {framework}'s"
     run_args = tyro.cli(module.Args, args=list(flags))
@@ -180,6 +179,7 @@ def measure_rounds(args, frameworks: dict[str, Path]) -> list[dict]:
                         args.workdir,
                         threads=args.threads,
                         log=args.workdir / f"{names[version]}.log",
+                        import_from=frameworks[version],
                     )
                     for version in group
                 ]

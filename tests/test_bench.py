@@ -2,6 +2,7 @@
 
 import argparse
 import functools
+import json
 import os
 import subprocess
 import sys
@@ -133,3 +134,25 @@ def test_throughput_runs_versions_side_by_side_on_one_thread_and_alone_on_more()
     # With 2 threads each, two runs side by side would oversubscribe 2 cores: one at a time, who goes first alternating.
     assert throughput.run_groups(2, 0) == [["this"], ["against"]]
     assert throughput.run_groups(2, 1) == [["against"], ["this"]]
+
+
+def test_knn_bench_times_another_commit_in_its_own_worktree_and_checks_the_distances_agree(tmp_path):
+    """bench/knn.py compares this checkout's k-NN with another commit's, each imported from its own checkout in a
+    worker process (no module of this one patched), and refuses a commit that does not exist."""
+    output = tmp_path / "knn.json"
+    worktrees_before = subprocess.run(["git", "worktree", "list"], cwd=REPO, capture_output=True, text=True).stdout
+    command = [sys.executable, str(REPO / "bench/knn.py"), "--against", "HEAD", "--obs-dims", "5", "--rounds", "1", "--steps", "2"]
+    subprocess.run([*command, "--output", str(output)], cwd=tmp_path, check=True, capture_output=True, timeout=300)
+    result = json.loads(output.read_text())
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    assert result["settings"]["against_commit"] == head
+    rows = {row["implementation"]: row for row in result["rows"]}
+    assert set(rows) == {"this", "HEAD", "full_topk"}
+    assert rows["HEAD"]["speedup_vs_against"] == 1.0 and all(row["knn_ms_per_call"] > 0 for row in rows.values())
+    assert rows["this"]["exploration_ms_per_step"] > 0
+    worktrees_after = subprocess.run(["git", "worktree", "list"], cwd=REPO, capture_output=True, text=True).stdout
+    assert worktrees_after == worktrees_before, "the bench removes the worktree it made"
+    refused = subprocess.run([*command[:2], "--against", "no-such-commit"], capture_output=True, text=True, timeout=120)
+    assert refused.returncode != 0 and refused.stderr.strip().splitlines()[-1] == (
+        "bench/knn.py: error: --against 'no-such-commit' is not a commit of this repository"
+    )

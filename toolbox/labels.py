@@ -40,8 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "framework"))
-from cleanrlhf_utils.feedback import LabelLog  # noqa: E402
+from cleanrlhf_utils.feedback import LabelLog
 
 ARRAYS = LabelLog.ARRAYS  # obs_actions, masks, true_rewards, physics_states
 NPZ_FORMAT = "cleanrlhf-labels-v1"
