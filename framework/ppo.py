@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from cleanrlhf_utils.runs import (
+    announce_run,
     cli,
     crossed,
     default_run_name,
@@ -55,6 +56,7 @@ def main(args: Args, on_evaluation: Callable[[int, float], None] | None = None) 
     run_name = args.run_name or default_run_name(args)
     run_dir, model_dir, video_dir = Path("runs") / run_name, Path("models") / run_name, Path("videos") / run_name
     writer = start_logging(args, run_name, run_dir)
+    announce_run(run_name, args)
     try:  # closed however the run ends, e.g. when a sweep prunes it from on_evaluation
         device, rng = seed_everything(args)
 

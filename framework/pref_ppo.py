@@ -44,7 +44,9 @@ from cleanrlhf_utils.feedback import (
 from cleanrlhf_utils.runs import (
     CheckpointArgs,
     ConfigError,  # noqa: F401 (callers catch pref_ppo.ConfigError)
+    RunInterrupted,
     RunningMoments,
+    announce_run,
     checkpoint_file,
     cli,
     crossed,
@@ -1327,6 +1329,7 @@ def main(args: Args, on_evaluation: Callable[[int, float], None] | None = None) 
         action_input_dim = reward_action_dim(action_space)
 
         writer = start_logging(args, run_name, run_dir)
+        announce_run(run_name, args)
         cleanup.callback(stop_logging, args, writer)
         device, rng = seed_everything(args)  # rng: minibatches, segment and k-NN sampling, held-out split
         agent = Agent(
@@ -1495,7 +1498,7 @@ def main(args: Args, on_evaluation: Callable[[int, float], None] | None = None) 
         }
         write_summary(run_dir, summary)
         if interrupted:
-            raise KeyboardInterrupt
+            raise RunInterrupted(model_dir / "latest")  # the command line says how to resume from it
         return summary
 
 

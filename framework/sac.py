@@ -13,6 +13,7 @@ import torch
 from cleanrlhf_utils.buffers import ReplayBuffer
 from cleanrlhf_utils.envs import get_physics_state, physics_state_size
 from cleanrlhf_utils.runs import (
+    announce_run,
     cli,
     default_run_name,
     evaluate_and_log,
@@ -46,6 +47,7 @@ def main(args: Args, on_evaluation: Callable[[int, float], None] | None = None) 
     run_name = args.run_name or default_run_name(args)
     run_dir, model_dir, video_dir = Path("runs") / run_name, Path("models") / run_name, Path("videos") / run_name
     writer = start_logging(args, run_name, run_dir)
+    announce_run(run_name, args)
     try:  # closed however the run ends, e.g. when a sweep prunes it from on_evaluation
         device, rng = seed_everything(args)
 

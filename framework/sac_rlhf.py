@@ -42,7 +42,9 @@ from cleanrlhf_utils.feedback import (
 from cleanrlhf_utils.runs import (
     CheckpointArgs,
     ConfigError,  # noqa: F401 (callers catch sac_rlhf.ConfigError)
+    RunInterrupted,
     RunningMoments,
+    announce_run,
     cli,
     default_run_name,
     earlier_wall_seconds,
@@ -1021,6 +1023,7 @@ def main(args: Args, on_evaluation: Callable[[int, float], None] | None = None) 
         action_space, action_dim = envs.single_action_space, int(np.prod(envs.single_action_space.shape))
 
         writer = start_logging(args, run_name, run_dir)
+        announce_run(run_name, args)
         cleanup.callback(stop_logging, args, writer)
         device, rng = seed_everything(args)  # rng: replay and segment sampling, random actions, held-out split
         agent = SACAgent(obs_dim, action_space, args, device)
@@ -1168,7 +1171,7 @@ def main(args: Args, on_evaluation: Callable[[int, float], None] | None = None) 
         summary = run_summary(run_name, args, loop, metrics | session.idle_seconds(), wall, start_step, interrupted, earlier_wall)
         write_summary(run_dir, summary)
         if interrupted:
-            raise KeyboardInterrupt
+            raise RunInterrupted(model_dir / "latest")  # the command line says how to resume from it
         return summary
 
 

@@ -3,14 +3,19 @@ whole run."""
 
 import json
 import os
+import shlex
+import shutil
+import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
+import gymnasium as gym
 import pytest
 
-from cleanrlhf_utils.runs import command_line_args
+from cleanrlhf_utils.runs import RunInterrupted, command_line_args, resume_command
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "toolbox"))
@@ -115,3 +120,91 @@ def test_the_script_applies_human_defaults_from_its_command_line(tmp_path):
     assert done.returncode == 2
     assert done.stdout.splitlines()[0].startswith("human mode: 100 labels over 10 sessions, 22 in the first"), done.stdout
     assert done.stderr.splitlines()[-1].startswith("error: --env-id Nope-v0"), done.stderr
+
+
+# ----------------------------------------------------------------------------------------
+# A run says its name and where its outputs go; Ctrl-C says the command that resumes it, and that command does
+# ----------------------------------------------------------------------------------------
+TINY_PEBBLE = [
+    "--env-id", "Hopper-v5", "--total-timesteps", "3400", "--learning-starts", "200", "--total-explore-steps", "400",
+    "--teacher-feedback-total-queries", "20", "--teacher-feedback-num-queries-per-session", "10",
+    "--teacher-feedback-frequency", "1000", "--segment-length", "20", "--max-augmentation-offset", "5",
+    "--min-augmentation-offset", "2", "--batch-size", "64", "--actor-hidden-dim", "64", "--critic-hidden-dim", "64",
+    "--reward-net-hidden-dim", "64", "--reward-net-epochs", "5", "--explore-knn-sample-size", "500",
+    "--evaluation-frequency", "0", "--evaluation-episodes", "1", "--checkpoint-frequency", "0", "--no-progress-bar",
+    "--torch-threads", "1",
+]  # fmt: skip
+
+
+def startup_line(stdout: str) -> tuple[str, str]:
+    """The run name of the start-up line, and the line."""
+    lines = [line for line in stdout.splitlines() if line.startswith("run ")]
+    assert len(lines) == 1, stdout
+    return lines[0].split()[1].rstrip(":"), lines[0]
+
+
+def test_ctrl_c_prints_the_command_that_resumes_the_run(tmp_path):
+    script = REPO / "framework/sac_rlhf.py"
+    env = os.environ | {"WANDB_MODE": "offline"}
+    process = subprocess.Popen([sys.executable, str(script), *TINY_PEBBLE], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    deadline = time.time() + 300
+    while not list(tmp_path.glob("models/*/400/checkpoint.pt")) and process.poll() is None and time.time() < deadline:
+        time.sleep(0.05)  # exploration is over (its checkpoint is written): Ctrl-C in the middle of learning
+    process.send_signal(signal.SIGINT)
+    stdout, stderr = process.communicate(timeout=300)
+    assert process.returncode == 130, (stdout, stderr)
+    run_name, line = startup_line(stdout)
+    assert line == f"run {run_name}: logs and summary in runs/{run_name}, checkpoints in models/{run_name}"
+    assert (tmp_path / "runs" / run_name / "summary.json").is_file() and (tmp_path / "models" / run_name / "latest").is_dir()
+    interrupted_at = json.loads((tmp_path / "runs" / run_name / "summary.json").read_text())["global_step"]
+    assert 400 <= interrupted_at < 3400
+    said = [line for line in stdout.splitlines() if line.startswith("to resume: ")]
+    assert len(said) == 1, stdout
+    command = shlex.split(said[0].removeprefix("to resume: "))
+    assert Path(shutil.which(command[0])).resolve() == Path(sys.executable).resolve()
+    assert command[1:] == [str(script), *TINY_PEBBLE, "--resume", f"models/{run_name}/latest"]
+
+    resumed = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resumed {run_name} at step {interrupted_at} with" in resumed.stdout
+    assert startup_line(resumed.stdout)[0] == run_name
+    summary = json.loads((tmp_path / "runs" / run_name / "summary.json").read_text())
+    assert summary["global_step"] == 3400 and not summary["interrupted"]
+
+
+def test_pref_ppo_says_its_outputs_and_stops_at_ctrl_c_with_its_checkpoint(chdir_tmp, monkeypatch, capsys):
+    """PrefPPO's end of the same path (in-process): the start-up line, and Ctrl-C raises the checkpoint to resume from,
+    which the command line turns into the resume command."""
+    calls, real_step = [0], gym.vector.SyncVectorEnv.step
+
+    def step(self, actions):
+        calls[0] += 1
+        if calls[0] == 900:  # in the 4th rollout, after the first feedback session
+            raise KeyboardInterrupt
+        return real_step(self, actions)
+
+    monkeypatch.setattr(gym.vector.SyncVectorEnv, "step", step)
+    with pytest.raises(RunInterrupted) as interrupt:
+        pref_ppo.main(hopper_args("part", capture_video=True, torch_threads=1))
+    assert interrupt.value.checkpoint == Path("models/part/latest")
+    assert (interrupt.value.checkpoint / "checkpoint.pt").is_file()
+    out = capsys.readouterr().out
+    assert "run part: logs and summary in runs/part, checkpoints in models/part, videos in videos/part" in out.splitlines()
+    command = resume_command(
+        ["framework/pref_ppo.py", "--run-name", "part", "--resume=models/old", "--seed", "2"], interrupt.value.checkpoint
+    )
+    assert shlex.split(command)[1:] == ["framework/pref_ppo.py", "--run-name", "part", "--seed", "2", "--resume", "models/part/latest"]
+
+
+@pytest.mark.parametrize("baseline", ["sac", "ppo"])
+def test_baselines_say_their_name_and_outputs(chdir_tmp, capsys, baseline):
+    import ppo
+    import sac
+
+    if baseline == "sac":
+        args = sac.Args(env_id="Hopper-v5", run_name="b", total_timesteps=200, learning_starts=100, batch_size=32, evaluation_episodes=1)
+        sac.main(replace(args, progress_bar=False, torch_threads=1, actor_hidden_dim=32, critic_hidden_dim=32))
+    else:
+        ppo.main(ppo.Args(env_id="Hopper-v5", run_name="b", total_timesteps=128, num_steps=128, num_minibatches=2, update_epochs=1,
+                          evaluation_episodes=1, progress_bar=False, torch_threads=1))  # fmt: skip
+    assert "run b: logs and summary in runs/b, checkpoints in models/b" in capsys.readouterr().out.splitlines()

@@ -6,6 +6,8 @@ import json
 import math
 import os
 import random
+import shlex
+import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -365,6 +367,37 @@ def command_line_args(args_class: type, argv: list[str] | None = None):
     return human_sized_defaults(args, given_fields(argv, args_class), schedule)
 
 
+class RunInterrupted(KeyboardInterrupt):
+    """Ctrl-C, after the run saved what --resume continues from (`checkpoint`: models/<run>/latest)."""
+
+    def __init__(self, checkpoint: Path):
+        super().__init__(str(checkpoint))
+        self.checkpoint = checkpoint
+
+
+def announce_run(run_name: str, args) -> None:
+    """The start-up line: the run's name and where its outputs go (videos: evaluation videos with --capture-video, the
+    clips people compare in human mode)."""
+    places = [f"logs and summary in runs/{run_name}", f"checkpoints in models/{run_name}"]
+    if getattr(args, "capture_video", False) or getattr(args, "teacher_feedback_mode", None) == "human":
+        places.append(f"videos in videos/{run_name}")
+    print(f"run {run_name}: {', '.join(places)}", flush=True)
+
+
+def resume_command(argv: list[str], checkpoint: Path) -> str:
+    """The command line that continues an interrupted run: this one (script, flags) with --resume <checkpoint> in place
+    of any earlier --resume, run from the same folder."""
+    flags, skip = [], False
+    for token in argv[1:]:
+        if skip or token == "--resume" or token.startswith("--resume="):
+            skip = token == "--resume"
+            continue
+        flags.append(token)
+    on_path = shutil.which("python")  # `python` where it is this interpreter (an activated venv), else its full path
+    python = "python" if on_path and Path(on_path).resolve() == Path(sys.executable).resolve() else sys.executable
+    return shlex.join([python, argv[0], *flags, "--resume", str(checkpoint)])
+
+
 def cli(args_class: type, main: Callable) -> None:
     """`python script.py --flags`: parse into args_class with tyro, run main, and map failures to exit codes:
     bad input 2 (one line on stderr, tyro's parse errors included), an unreachable or refusing feedback server 1,
@@ -380,7 +413,9 @@ def cli(args_class: type, main: Callable) -> None:
     except FeedbackServerError as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(1)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as interrupt:
+        if isinstance(interrupt, RunInterrupted):  # the run saved its checkpoint: say how to continue it
+            print(f"to resume: {resume_command(sys.argv, interrupt.checkpoint)}", flush=True)
         sys.exit(130)
 
 
