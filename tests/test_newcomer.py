@@ -208,3 +208,90 @@ def test_baselines_say_their_name_and_outputs(chdir_tmp, capsys, baseline):
         ppo.main(ppo.Args(env_id="Hopper-v5", run_name="b", total_timesteps=128, num_steps=128, num_minibatches=2, update_epochs=1,
                           evaluation_episodes=1, progress_bar=False, torch_threads=1))  # fmt: skip
     assert "run b: logs and summary in runs/b, checkpoints in models/b" in capsys.readouterr().out.splitlines()
+
+
+# ----------------------------------------------------------------------------------------
+# dev/install_test_deps.sh: what the suite needs beyond pip, installed once, saying what it did
+# ----------------------------------------------------------------------------------------
+FAKE_APT_GET = """#!/bin/sh
+echo "apt-get $*" >> "$FAKE_LOG"
+for package in "$@"; do
+  case "$package" in
+    chromium) tools="chromium" ;;
+    slurmctld) tools="slurmctld slurmd sbatch munged" ;;
+    *) tools="" ;;
+  esac
+  for tool in $tools; do printf '#!/bin/sh\\n' > "$FAKE_BIN/$tool"; chmod +x "$FAKE_BIN/$tool"; done
+done
+"""
+# `python -m venv DIR` makes DIR/bin/python (this fake); `DIR/bin/python -m pip install poetry` makes DIR/bin/poetry.
+FAKE_PYTHON = """#!/bin/sh
+echo "python $*" >> "$FAKE_LOG"
+if [ "$2" = venv ]; then mkdir -p "$3/bin" && cp "$0" "$3/bin/python"; exit 0; fi
+if [ "$2" = pip ]; then printf '#!/bin/sh\\necho Poetry\\n' > "$(dirname "$0")/poetry"; chmod +x "$(dirname "$0")/poetry"; exit 0; fi
+exit 1
+"""
+
+
+def fake_machine(tmp_path: Path) -> tuple[dict, Path, Path]:
+    """A PATH with fake apt-get, python and sudo and a few system tools (not the machine's chromium, poetry, SLURM);
+    the environment, the fakes' folder and the home folder."""
+    fake_bin, system, home = tmp_path / "fake", tmp_path / "system", tmp_path / "home"
+    for folder in (fake_bin, system, home):
+        folder.mkdir()
+    for name, text in (("apt-get", FAKE_APT_GET), ("python", FAKE_PYTHON), ("python3", FAKE_PYTHON), ("sudo", '#!/bin/sh\nexec "$@"\n')):
+        (fake_bin / name).write_text(text)
+        (fake_bin / name).chmod(0o755)
+    for tool in ("bash", "sh", "env", "id", "dirname", "mkdir", "ln", "cp", "chmod", "cat", "printf", "readlink"):
+        (system / tool).symlink_to(shutil.which(tool))
+    log = tmp_path / "calls.log"
+    env = {"PATH": f"{fake_bin}:{system}:{home / '.local/bin'}", "HOME": str(home), "FAKE_LOG": str(log), "FAKE_BIN": str(fake_bin)}
+    return env, fake_bin, home
+
+
+def run_install_test_deps(env: dict, *flags: str, returncode: int = 0) -> subprocess.CompletedProcess:
+    done = subprocess.run(["bash", str(REPO / "dev/install_test_deps.sh"), *flags], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == returncode, (done.stdout, done.stderr)
+    return done
+
+
+def test_install_test_deps_installs_what_is_missing_once_and_says_so(tmp_path):
+    """On a machine with none of them (fake apt-get and python that log their calls and make the commands they
+    install), the first run installs Chromium, SLURM through .ci/install_slurm.sh and Poetry in its own venv; the
+    second finds them all and installs nothing."""
+    env, fake_bin, home = fake_machine(tmp_path)
+    log = Path(env["FAKE_LOG"])
+
+    def install() -> list[str]:
+        return run_install_test_deps(env).stdout.splitlines()
+
+    first = install()
+    poetry_venv = home / ".local/share/cleanrlhf/poetry"
+    assert "chromium: installed (apt-get install chromium)" in first
+    assert "slurm: installed (.ci/install_slurm.sh: slurmctld slurmd slurm-client munge)" in first
+    assert f"poetry: installed in a venv of its own, {poetry_venv}; linked as {home}/.local/bin/poetry" in first
+    assert first[-1] == "all test dependencies are in place: python -m pytest -q runs every test"
+    calls = log.read_text().splitlines()
+    assert any("install" in call and "chromium" in call for call in calls)
+    assert any("install" in call and "slurmctld" in call for call in calls)
+    assert f"python -m venv {poetry_venv}" in calls and any("-m pip install" in call and "poetry" in call for call in calls)
+    assert (home / ".local/bin/poetry").resolve() == poetry_venv / "bin/poetry"
+
+    second = install()
+    assert log.read_text().splitlines() == calls, "the second run installed something again"
+    assert f"chromium: already installed ({fake_bin}/chromium)" in second
+    assert "slurm: already installed" in second
+    assert f"poetry: already installed ({home}/.local/bin/poetry)" in second
+    assert second[-1] == first[-1]
+
+
+def test_install_test_deps_warns_about_what_it_cannot_install(tmp_path):
+    env, fake_bin, home = fake_machine(tmp_path)
+    for name in ("apt-get", "python"):  # no package mirror, no PyPI
+        (fake_bin / name).write_text("#!/bin/sh\nexit 1\n")
+    lines = run_install_test_deps(env).stdout.splitlines()
+    assert "warning: chromium: could not install it (apt-get install chromium); tests/test_feedback_page.py will skip" in lines
+    assert "warning: slurm: could not install it (.ci/install_slurm.sh); tests/test_slurm.py will skip" in lines
+    assert lines[-1] == "missing: chromium slurm poetry (their tests skip, saying why)"
+    assert not (home / ".local/bin/poetry").exists()
+    run_install_test_deps(env, "--strict", returncode=1)
