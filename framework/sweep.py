@@ -32,7 +32,7 @@ from typing import Any, Literal
 import yaml
 
 from cleanrlhf_utils.arguments import parse_args
-from cleanrlhf_utils.runs import ConfigError, public_settings
+from cleanrlhf_utils.runs import ConfigError, human_sized_defaults, public_settings
 
 
 @dataclass
@@ -417,7 +417,9 @@ def base_args(script: Script, sweep: Sweep, flags: Sequence[str]):
         raise SweepError(f"--{swept[0].replace('_', '-')} is swept by the config: it cannot also be set after --")
     if "run_name" in script_flag_names(flags, script):
         raise SweepError("--run-name cannot be set after --: the sweep names every trial's run")
-    return parse_args(script.Args, args=list(flags), default=replace(script.Args(), **sweep.fixed))
+    base = parse_args(script.Args, args=list(flags), default=replace(script.Args(), **sweep.fixed))
+    given = script_flag_names(flags, script) | set(sweep.fixed) | set(sweep.params)  # human mode: a budget set nowhere is human-sized
+    return human_sized_defaults(base, given, getattr(script.module, "feedback_schedule", None))
 
 
 def check_sweep(sweep: Sweep, base, script: Script) -> None:

@@ -22,6 +22,7 @@ sys.path.insert(0, str(REPO / "toolbox"))
 
 from test_end_to_end import small_args  # noqa: E402
 from test_pref_ppo import hopper_args  # noqa: E402
+from test_sweep import config_with, parse  # noqa: E402
 
 import compare  # noqa: E402
 import pref_ppo  # noqa: E402
@@ -295,3 +296,17 @@ def test_install_test_deps_warns_about_what_it_cannot_install(tmp_path):
     assert lines[-1] == "missing: chromium slurm poetry (their tests skip, saying why)"
     assert not (home / ".local/bin/poetry").exists()
     run_install_test_deps(env, "--strict", returncode=1)
+
+
+@pytest.mark.parametrize("algorithm", ["sac-rlhf", "pref-ppo"])
+def test_a_human_sweep_gets_human_defaults_unless_its_config_or_flags_set_the_budget(algorithm):
+    script = sweep.load_script(algorithm)
+    human = {"teacher_feedback_mode": {"value": "human"}, "surf": {"values": [True, False]}}
+    base = sweep.base_args(script, parse(config_with(human), algorithm), [])
+    assert (base.teacher_feedback_total_queries, base.teacher_feedback_num_queries_per_session) == (100, 10)
+    budget = {"teacher_feedback_total_queries": {"value": 300}, "teacher_feedback_num_queries_per_session": {"values": [20, 50]}}
+    base = sweep.base_args(script, parse(config_with(human | budget), algorithm), [])
+    assert base.teacher_feedback_total_queries == 300  # the config's; the swept one takes its values per trial
+    base = sweep.base_args(script, parse(config_with(human), algorithm), ["--teacher-feedback-num-queries-per-session", "25"])
+    assert (base.teacher_feedback_total_queries, base.teacher_feedback_num_queries_per_session) == (100, 25)
+    assert sweep.base_args(script, parse(config_with({}), algorithm), []).teacher_feedback_total_queries == 1000
