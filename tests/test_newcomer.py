@@ -310,3 +310,46 @@ def test_a_human_sweep_gets_human_defaults_unless_its_config_or_flags_set_the_bu
     base = sweep.base_args(script, parse(config_with(human), algorithm), ["--teacher-feedback-num-queries-per-session", "25"])
     assert (base.teacher_feedback_total_queries, base.teacher_feedback_num_queries_per_session) == (100, 25)
     assert sweep.base_args(script, parse(config_with({}), algorithm), []).teacher_feedback_total_queries == 1000
+
+
+def test_the_resume_command_leaves_the_feedback_token_out(tmp_path):
+    """The printed line may be logged: the token stays out of it (the resumed run reads FEEDBACK_SERVER_TOKEN)."""
+    for given in (["--feedback-server-token", "s3cret"], ["--feedback-server-token=s3cret"]):
+        command = resume_command(["framework/sac_rlhf.py", "--seed", "3", *given, "--teacher-feedback-mode", "human"], Path("models/r"))
+        assert "s3cret" not in command
+        assert shlex.split(command)[1:] == [
+            "framework/sac_rlhf.py",
+            "--seed",
+            "3",
+            "--teacher-feedback-mode",
+            "human",
+            "--resume",
+            "models/r",
+        ]
+
+
+def test_the_trainer_takes_the_feedback_token_from_its_environment_variable(tmp_path, monkeypatch):
+    """No --feedback-server-token: the server the trainer starts and the trainer's own requests use FEEDBACK_SERVER_TOKEN,
+    so the token never has to be on a command line."""
+    import socket
+    import urllib.error
+    import urllib.request
+
+    from cleanrlhf_utils import feedback, protocol
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv(protocol.TOKEN_ENV, "from-env")
+    args = sac_rlhf.Args(
+        env_id="Hopper-v5", teacher_feedback_mode="human", feedback_server_autostart=True, feedback_server_url=f"http://127.0.0.1:{port}"
+    )
+    teacher = feedback.connect_human_teacher(args, "r", tmp_path / "run", tmp_path / "clips")  # registers the run: needs the token
+    try:
+        assert teacher.run_id == 1
+        with pytest.raises(urllib.error.HTTPError) as refused:  # the server it started holds the same token
+            urllib.request.urlopen(f"http://127.0.0.1:{port}{protocol.CONFIG}", timeout=5)
+        assert refused.value.code == 401
+    finally:
+        teacher.close()
+    assert "from-env" not in (tmp_path / "run" / "feedback_server.log").read_text()

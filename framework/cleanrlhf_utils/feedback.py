@@ -36,7 +36,8 @@ class FeedbackArgs:
     feedback_server_autostart: bool = False
     """start the feedback server as a child process if none answers at --feedback-server-url"""
     feedback_server_token: str | None = None
-    """shared secret of the feedback server, if it was started with --token"""
+    """shared secret of the feedback server, if it was started with --token; default: the FEEDBACK_SERVER_TOKEN
+    environment variable, which keeps it off the command line (visible to every user in ps)"""
     feedback_server_data_dir: str | None = None
     """database and clips of an autostarted server (--feedback-server-autostart); default runs/<run>/feedback_data, one
     per run. Give several runs the same folder (and URL) to label them all on one page"""
@@ -681,12 +682,11 @@ def connect_human_teacher(args, run_name: str, run_dir: Path, clip_dir: Path) ->
     """A HumanTeacher for this run: the feedback server (started as a child process with
     --feedback-server-autostart when none answers there), this run registered on it, and a renderer for clips."""
     server_process = None
+    token = args.feedback_server_token or os.environ.get(protocol.TOKEN_ENV) or None
     if args.feedback_server_autostart:
         data_dir = Path(args.feedback_server_data_dir) if args.feedback_server_data_dir else run_dir / "feedback_data"
-        server_process = start_feedback_server(
-            args.feedback_server_url, run_dir / "feedback_server.log", args.feedback_server_token, data_dir
-        )
-    client = FeedbackClient(args.feedback_server_url, args.feedback_server_token)
+        server_process = start_feedback_server(args.feedback_server_url, run_dir / "feedback_server.log", token, data_dir)
+    client = FeedbackClient(args.feedback_server_url, token)
     renderer = SegmentRenderer(args.env_id, args.clip_width, args.clip_height, shadows=args.clip_shadows)
     fps = args.clip_fps or real_time_fps(renderer.env)
     meta = {"seed": args.seed, "segment_length": args.segment_length, "instructions": args.feedback_instructions.strip()}

@@ -386,11 +386,13 @@ def announce_run(run_name: str, args) -> None:
 
 def resume_command(argv: list[str], checkpoint: Path) -> str:
     """The command line that continues an interrupted run: this one (script, flags) with --resume <checkpoint> in place
-    of any earlier --resume, run from the same folder."""
+    of any earlier --resume, run from the same folder. Secret settings are left out (the line is printed, and may be
+    logged): the run takes them from their environment variable instead (--feedback-server-token: FEEDBACK_SERVER_TOKEN)."""
+    dropped = {"--resume", *(f"--{name.replace('_', '-')}" for name in SECRET_ARGS)}
     flags, skip = [], False
     for token in argv[1:]:
-        if skip or token == "--resume" or token.startswith("--resume="):
-            skip = token == "--resume"
+        if skip or token in dropped or token.split("=", 1)[0] in dropped:
+            skip = token in dropped
             continue
         flags.append(token)
     on_path = shutil.which("python")  # `python` where it is this interpreter (an activated venv), else its full path
