@@ -260,6 +260,32 @@ class PreferenceArgs:
     rune_beta_decay: float = 0.0001
     """beta_t = beta_0 (1 - decay)^t, t = environment step (PrefPPO: at the start of the rollout)"""
 
+    # --- noisy teachers: robust reward learning ---
+    robust_labels: Literal["none", "smooth", "rime"] = "none"
+    """how reward learning treats labels that may be wrong: `none`, the plain Bradley-Terry loss; `smooth`, a
+    mistake-aware likelihood that expects --robust-label-epsilon of the labels flipped; `rime`, RIME's sample
+    selection (Cheng et al. 2024): every epoch the labels the ensemble finds plausible train as given, implausible
+    ones train flipped, the rest sit the epoch out, and the model is warm-started on the exploration reward before
+    the first session"""
+    robust_label_epsilon: float = 0.1
+    """`smooth`: the share of flipped labels the loss expects, in [0, 0.5): P(label) = (1 - eps) sigmoid(R1 - R0) +
+    eps sigmoid(R0 - R1); 0 is the plain loss"""
+    rime_alpha: float = 0.5
+    """`rime`: a label trains as given while its loss is below -ln(rho) + alpha rho + min(beta_t s, 3), rho and s the
+    running maximum and std of the trusted labels' loss (RIME's bound on a corrupted label's loss: alpha = 0.5)"""
+    rime_beta_max: float = 3.0
+    """`rime`: beta_t of the trust threshold's uncertainty term at the first epoch, falling linearly to
+    --rime-beta-min over --rime-beta-decay-epochs reward-model epochs (all sessions together)"""
+    rime_beta_min: float = 1.0
+    """`rime`: beta_t once --rime-beta-decay-epochs epochs have trained"""
+    rime_beta_decay_epochs: int = 60
+    """`rime`: reward-model epochs over which beta_t falls from --rime-beta-max to --rime-beta-min (RIME, DMC: 60)"""
+    rime_flip_tau: float = 0.001
+    """`rime`: a label trains flipped when the ensemble gives it a probability below this (its loss above -ln tau)"""
+    rime_warm_start_steps: int = 1000
+    """`rime`: Adam steps (256 transitions per member each) fitting the reward model to the k-NN state-entropy reward
+    of the replay buffer before the first session's labels train it (0: no warm start)"""
+
 
 @dataclass
 class Args(CheckpointArgs, FeedbackArgs, PreferenceArgs, SACArgs):
@@ -574,6 +600,19 @@ def bradley_terry_loss(returns: torch.Tensor, labels: torch.Tensor) -> torch.Ten
     return F.binary_cross_entropy_with_logits(returns[..., 1] - returns[..., 0], labels)
 
 
+def mistake_aware_loss(returns: torch.Tensor, labels: torch.Tensor, epsilon: float) -> torch.Tensor:
+    """bradley_terry_loss for a teacher that flips a share `epsilon` of its labels (--robust-labels smooth): the
+    label's likelihood is P = (1 - eps) sigmoid(R1 - R0) + eps sigmoid(R0 - R1), so that a pair the model is sure of
+    costs at most -ln(eps) when its label is wrong. epsilon = 0 is bradley_terry_loss itself."""
+    if epsilon == 0:
+        return bradley_terry_loss(returns, labels)
+    logits = returns[..., 1] - returns[..., 0]
+    floor, scale = math.log(epsilon), math.log1p(-2 * epsilon)  # P = eps + (1 - 2 eps) sigmoid, in log space
+    log_second = torch.logaddexp(torch.full_like(logits, floor), scale + F.logsigmoid(logits))
+    log_first = torch.logaddexp(torch.full_like(logits, floor), scale + F.logsigmoid(-logits))
+    return -(labels * log_second + (1 - labels) * log_first).mean()
+
+
 def preference_probabilities(model: RewardEnsemble, segments: torch.Tensor, masks: torch.Tensor, chunk: int = 10) -> torch.Tensor:
     """P_e(segment 1 > segment 0) for each member: segments (N, 2, L, D), masks (N, 2, L) -> (E, N). Scored `chunk`
     pairs at a time: a query pool in one pass held (E, N*2*L, hidden) activations, over 1 GB at 1000 pairs, and
@@ -797,12 +836,102 @@ def feedback_schedule(total_queries: int, queries_per_session: int, kind: str, d
     return [int(c) for c in counts if c > 0]
 
 
+# --- Noisy teachers: RIME's sample selection and warm start (Cheng et al. 2024) ---
+class LabelFilter:
+    """RIME's selection of the labels an epoch trains on (--robust-labels rime), with the state it carries across
+    epochs and sessions. A label whose loss under the ensemble-mean preference is below the trust threshold
+    -ln(rho) + alpha rho + min(beta_t s, 3) trains as given (RIME bounds a corrupted label's loss from below by
+    -ln(rho) + rho / 2, rho the largest loss of a clean one); one whose loss is above -ln(tau) (the ensemble gives it
+    a probability below tau) trains flipped; the rest sit the epoch out. rho and s are running estimates (rate 0.1)
+    of the maximum and std of the trusted labels' loss; beta_t falls linearly with the epochs, so that the threshold
+    is lenient while the model is young. rho starts at 0: the first epoch trusts every label it does not flip."""
+
+    RATE = 0.1  # of the running estimates, as RIME's
+    UNCERTAINTY_CAP = 3.0  # of beta_t s, as RIME's code
+
+    def __init__(self):
+        self.loss_max, self.loss_std, self.epochs, self.warm_started = 0.0, 0.0, 0, False
+
+    def thresholds(self, args: Args) -> tuple[float, float]:
+        """(trust below, flip above) for the next selection."""
+        progress = min(1.0, self.epochs / args.rime_beta_decay_epochs)
+        beta = args.rime_beta_max + (args.rime_beta_min - args.rime_beta_max) * progress
+        uncertainty = min(beta * self.loss_std, self.UNCERTAINTY_CAP)
+        return -math.log(self.loss_max + 1e-8) + args.rime_alpha * self.loss_max + uncertainty, -math.log(args.rime_flip_tau)
+
+    def select(self, probabilities: torch.Tensor, labels: torch.Tensor, args: Args) -> tuple[torch.Tensor, torch.Tensor]:
+        """Masks (trusted, flipped) of the labels (N,) given the ensemble-mean P(segment 1 > segment 0) (N,) of their
+        pairs; updates the running estimates with the trusted labels' losses and counts the epoch."""
+        losses = F.binary_cross_entropy(probabilities.clamp(1e-7, 1 - 1e-7), labels, reduction="none")
+        trust_below, flip_above = self.thresholds(args)
+        flipped = losses > flip_above
+        trusted = (losses < trust_below) & ~flipped
+        if trusted.any():
+            kept = losses[trusted]
+            self.loss_max += self.RATE * (float(kept.max()) - self.loss_max)
+            self.loss_std += self.RATE * (float(kept.std(unbiased=False)) - self.loss_std)
+        self.epochs += 1
+        return trusted, flipped
+
+    def state_dict(self) -> dict:
+        return {"loss_max": self.loss_max, "loss_std": self.loss_std, "epochs": self.epochs, "warm_started": self.warm_started}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loss_max, self.loss_std, self.epochs = float(state["loss_max"]), float(state["loss_std"]), int(state["epochs"])
+        self.warm_started = bool(state["warm_started"])
+
+
+def mean_preference(model: RewardEnsemble, segments: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
+    """Ensemble-mean P(segment 1 > segment 0) of pairs (N, 2, L, D), in eval mode: (N,)."""
+    was_training = model.training
+    model.eval()
+    probabilities = preference_probabilities(model, segments, masks).mean(0)
+    model.train(was_training)
+    return probabilities
+
+
+def warm_start_reward_model(
+    model: RewardEnsemble, optimizer, rb: ReplayBuffer, args: Args, rng: np.random.Generator, device, batch_size: int = 256
+) -> float:
+    """RIME's warm start: before the first labels train it, every member fits (mean squared error) the exploration
+    reward of up to 10,000 of the replay buffer's transitions, the k-NN state entropy of the state each reaches (as
+    PEBBLE's exploration rewards it), standardised and scaled into [-1, 1], the model's range. The first selection
+    then meets a model whose scale and features come from the data instead of a random one. Returns the last loss."""
+    if args.rime_warm_start_steps == 0 or rb is None or rb.size < 2:
+        return float("nan")
+    rows = rb.sample_indices(min(rb.size, 10_000), rng)
+    reference = torch.as_tensor(rb.next_obs[rb.sample_indices(min(args.explore_knn_sample_size, rb.size), rng)], device=device)
+    states, k = torch.as_tensor(rb.next_obs[rows], device=device), min(args.explore_knn_k, len(reference))
+    entropy = torch.cat([knn_state_entropy(chunk, reference, k) for chunk in states.split(4096)])
+    target = (entropy - entropy.mean()) / entropy.std().clamp_min(1e-8)
+    target = target / target.abs().max().clamp_min(1e-8)
+    inputs, ensemble = torch.as_tensor(rb.obs_actions(rows), device=device), model.ensemble_size
+    model.train()
+    for _ in range(args.rime_warm_start_steps):
+        batch = torch.as_tensor(rng.integers(0, len(rows), (ensemble, batch_size)), device=device)  # a batch per member
+        loss = F.mse_loss(model.forward_members(inputs[batch]), target[batch]) * ensemble  # sum over members
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return loss.item() / ensemble
+
+
 # --- Reward-model training (Bradley-Terry), with SURF's temporal crops and pseudo-labels ---
 def train_reward_model(
-    model: RewardEnsemble, optimizer, prefs: PreferenceBuffer, rb: ReplayBuffer, args: Args, rng: np.random.Generator, device
+    model: RewardEnsemble,
+    optimizer,
+    prefs: PreferenceBuffer,
+    rb: ReplayBuffer,
+    args: Args,
+    rng: np.random.Generator,
+    device,
+    label_filter: LabelFilter | None = None,
 ) -> dict:
     """Fits the ensemble on the training split; every member sees its own shuffle of the labels, each label once per
-    epoch plus --qpa-augmentations randomly cropped copies (all copies cropped with SURF)."""
+    epoch plus --qpa-augmentations randomly cropped copies (all copies cropped with SURF). --robust-labels smooth
+    trains with mistake_aware_loss; rime (with `label_filter`, its state across sessions) warm-starts the model at
+    the first call, then trains every epoch on the labels the filter trusts or flips, and stops on the accuracy on
+    those; the shares of the last epoch's selection come back in the stats."""
     train_idx = prefs.split(heldout=False)
     stats = {"train_loss": float("nan"), "ssl_loss": 0.0, "pseudo_labels": 0, "epochs": 0, "steps": 0}
     if len(train_idx) == 0:
@@ -812,15 +941,29 @@ def train_reward_model(
     ensemble, length = model.ensemble_size, args.segment_length
     all_segments = torch.as_tensor(prefs.obs_actions[train_idx], device=device)
     all_masks = torch.as_tensor(prefs.masks[train_idx], device=device, dtype=torch.float32)
-    all_labels = torch.as_tensor(prefs.labels[train_idx], device=device)
+    all_labels = given_labels = torch.as_tensor(prefs.labels[train_idx], device=device)
+    rime = args.robust_labels == "rime" and label_filter is not None
+    if rime and not label_filter.warm_started:
+        stats["warm_start_loss"] = warm_start_reward_model(model, optimizer, rb, args, rng, device)
+        label_filter.warm_started = True
     model.train()
-    labelled, copies = len(train_idx), 1 + args.qpa_augmentations
+    labelled, copies, active = len(train_idx), 1 + args.qpa_augmentations, torch.arange(len(train_idx))
     for epoch in range(args.reward_net_epochs):
+        if rime:  # this epoch's labels: the trusted as given, the flipped flipped, the rest left out
+            if epoch == 0:
+                probabilities = mean_preference(model, all_segments, all_masks)
+            trusted, flipped = label_filter.select(probabilities, given_labels, args)
+            all_labels = torch.where(flipped, 1 - given_labels, given_labels)
+            active, labelled = torch.nonzero(trusted | flipped).flatten().cpu(), int((trusted | flipped).sum())
+            shares = {"trusted": trusted, "flipped": flipped, "dropped": ~(trusted | flipped)}
+            stats |= {f"labels_{name}": float(mask.float().mean()) for name, mask in shares.items()}
+            if labelled == 0:
+                break
         order = torch.argsort(torch.rand(ensemble, labelled * copies), dim=1)  # entries >= labelled are augmented copies
         losses, ssl_losses = [], []
         for start in range(0, labelled * copies, args.reward_net_batch_size):
             batch = order[:, start : start + args.reward_net_batch_size]  # (E, b)
-            pairs = batch % labelled
+            pairs = active[batch % labelled]
             segments, masks, labels = all_segments[pairs], all_masks[pairs], all_labels[pairs]
             cropped = batch >= labelled
             if args.surf:  # every copy cropped: cut the crops out, the steps outside them are not computed
@@ -829,7 +972,10 @@ def train_reward_model(
                 crops = temporal_crop_masks(masks.shape[:-1], length, args.min_augmentation_offset, args.max_augmentation_offset)
                 masks = torch.where(cropped[..., None, None].to(device), masks * crops.to(device), masks)
             returns = (model.forward_members(segments) * masks).sum(-1)  # (E, b, 2)
-            loss = bradley_terry_loss(returns, labels) * ensemble  # sum over members
+            if args.robust_labels == "smooth":
+                loss = mistake_aware_loss(returns, labels, args.robust_label_epsilon) * ensemble  # sum over members
+            else:
+                loss = bradley_terry_loss(returns, labels) * ensemble  # sum over members
             if args.surf and args.unlabeled_batch_ratio > 0:
                 ssl_loss, confident_count = surf_loss(model, rb, batch.shape[1] * args.unlabeled_batch_ratio, args, rng, device)
                 loss = loss + args.lambda_ssl * ssl_loss
@@ -843,7 +989,13 @@ def train_reward_model(
         stats["train_loss"], stats["epochs"] = float(np.mean(losses)), epoch + 1
         stats["ssl_loss"] = float(np.mean(ssl_losses)) if ssl_losses else 0.0
         # Stop on the accuracy of the whole, uncropped training split: cropped-batch accuracy stops too early.
-        if preference_accuracy(model, prefs, train_idx, device) >= args.reward_net_target_accuracy:
+        if rime:  # on the labels the epoch trained on, as it trained on them; the probabilities select the next epoch's
+            probabilities = mean_preference(model, all_segments, all_masks)
+            decided = active[(given_labels[active] != 0.5).cpu()]
+            agree = (probabilities[decided] > 0.5) == (all_labels[decided] > 0.5)
+            if len(decided) and float(agree.float().mean()) >= args.reward_net_target_accuracy:
+                break
+        elif preference_accuracy(model, prefs, train_idx, device) >= args.reward_net_target_accuracy:
             break
     model.train()
     return stats
@@ -1049,6 +1201,9 @@ def main(args: Args, on_evaluation: Callable[[int, float], None] | None = None) 
             "agent": agent, "reward_model": reward_model, "reward_optimizer": reward_optimizer,
             "preference_buffer": prefs, "intrinsic_rms": intrinsic_rms, "teacher": teacher, "session": FeedbackSession(),
         }  # fmt: skip
+        label_filter = LabelFilter()  # --robust-labels rime: its running thresholds are checkpointed with the rest
+        if args.robust_labels == "rime":
+            parts["label_filter"] = label_filter
         loop, session = LoopState(), parts["session"]
 
         def checkpoint(folder: Path) -> None:
@@ -1085,7 +1240,7 @@ def main(args: Args, on_evaluation: Callable[[int, float], None] | None = None) 
                 if session.open and session.ask(teacher, label_log, args, step, last=step + 1 == args.total_timesteps):
                     with session.update(parts, rng, loop):  # one unit: Ctrl-C inside it saves the state before it
                         record_labels(prefs, label_log, session, loop, heldout_fraction, rng)
-                        reward_stats = train_reward_model(reward_model, reward_optimizer, prefs, rb, args, rng, device)
+                        reward_stats = train_reward_model(reward_model, reward_optimizer, prefs, rb, args, rng, device, label_filter)
                         relabel_replay_buffer(reward_model, rb, device, args.relabel_chunk_size)
                         pending.clear()
                         if len(prefs) > 0 and not loop.learning_from_preferences:

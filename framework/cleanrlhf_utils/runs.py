@@ -71,6 +71,15 @@ def validate_preference_args(args) -> None:
         need_flag(args, name, lambda value: 0 <= value <= 1, "in [0, 1]")
     need_flag(args, "surf_tau", lambda value: 0.5 < value < 1, "in (0.5, 1)")
     need_flag(args, "qpa_hybrid_ratio", lambda value: 0 <= value <= 1, "in [0, 1]")
+    need_flag(args, "robust_label_epsilon", lambda value: 0 <= value < 0.5, "in [0, 0.5)")
+    need_flag(args, "rime_flip_tau", lambda value: 0 < value < 0.5, "in (0, 0.5)")
+    for name in ("rime_alpha", "rime_beta_min", "rime_warm_start_steps"):
+        need_flag(args, name, lambda value: value >= 0, ">= 0")
+    need_flag(args, "rime_beta_decay_epochs", lambda value: value >= 1, ">= 1")
+    need(
+        args.rime_beta_min <= args.rime_beta_max,
+        f"--rime-beta-min ({args.rime_beta_min}) must be <= --rime-beta-max ({args.rime_beta_max})",
+    )
     need(
         args.qpa_hybrid_ratio == 0 or args.qpa_query_episodes > 0,
         f"--qpa-hybrid-ratio {args.qpa_hybrid_ratio} needs --qpa-query-episodes N (the episodes it replays), got 0",
@@ -437,6 +446,8 @@ def training_state(parts: dict, rng: np.random.Generator) -> dict:
 def load_training_state(parts: dict, rng: np.random.Generator, state: dict) -> None:
     for name, part in parts.items():
         if name == "session" and name not in state:  # a checkpoint from before sessions were saved: none was open
+            continue
+        if name == "label_filter" and name not in state:  # --robust-labels rime loading another run's exploration: fresh
             continue
         part.load_state_dict(state[name])
     rng.bit_generator.state = state["rng"]

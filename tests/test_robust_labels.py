@@ -1,0 +1,279 @@
+"""--robust-labels: reward learning that survives a teacher who is sometimes wrong (issue 27, part 1). The mistake-aware
+likelihood (`smooth`) and RIME's sample selection with its warm start (`rime`), checked on a synthetic problem whose
+true reward is known and whose wrong labels are planted, so that which labels are wrong is known too."""
+
+import math
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import pref_ppo
+import sac_rlhf
+from cleanrlhf_utils.runs import ConfigError, load_training_state, training_state
+
+CPU = torch.device("cpu")
+FRAMEWORK_DIR = Path(__file__).resolve().parents[1] / "framework"
+OBS_DIM, ACTION_DIM, SEG_LEN = 3, 1, 5
+INPUT_DIM = OBS_DIM + ACTION_DIM
+WEIGHTS = np.array([1.0, -0.5, 0.25, 0.0], dtype=np.float32)
+
+
+@pytest.fixture(autouse=True)
+def _single_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def true_step_reward(x: np.ndarray) -> np.ndarray:
+    """A known linear reward of (obs, action), scaled into the ensemble's tanh range for these inputs."""
+    return 0.3 * (x @ WEIGHTS)
+
+
+def planted_problem(algo, seed: int, pairs: int = 300, flipped_share: float = 0.25):
+    """Random segment pairs labelled by the true (linear) return, a known share of the labels flipped; the flipped
+    ones are chosen among pairs whose true returns differ clearly (a near tie is not a clear mistake)."""
+    rng = np.random.default_rng(seed)
+    segments = rng.standard_normal((pairs, 2, SEG_LEN, INPUT_DIM)).astype(np.float32)
+    returns = true_step_reward(segments).sum(-1)
+    labels = (returns[:, 1] > returns[:, 0]).astype(np.float32)
+    clear = np.flatnonzero(np.abs(returns[:, 1] - returns[:, 0]) > 0.5)
+    planted = np.zeros(pairs, dtype=bool)
+    planted[rng.choice(clear, int(flipped_share * pairs), replace=False)] = True
+    labels[planted] = 1 - labels[planted]
+    prefs = algo.PreferenceBuffer(SEG_LEN, INPUT_DIM, 1)
+    n = pairs
+    prefs.add(
+        segments, np.ones((n, 2, SEG_LEN), bool), true_step_reward(segments), np.zeros((n, 2, SEG_LEN, 1)), labels, np.zeros(n, bool), 0
+    )
+    return prefs, planted, replay_buffer(algo, rng)
+
+
+def replay_buffer(algo, rng: np.random.Generator, n: int = 1000, episode_length: int = 100):
+    rb = algo.ReplayBuffer(n, OBS_DIM, ACTION_DIM, 1)
+    for i, x in enumerate(rng.standard_normal((n, INPUT_DIM)).astype(np.float32)):
+        rb.add(x[:OBS_DIM], x[:OBS_DIM], x[OBS_DIM:], true_step_reward(x), 0.0, i // episode_length, np.zeros(1))
+    return rb
+
+
+def small_args(algo, **overrides):
+    args = algo.Args(segment_length=SEG_LEN, reward_net_batch_size=50, reward_net_epochs=40, surf=False, rime_warm_start_steps=0)
+    return replace(args, **overrides)
+
+
+def fit(algo, args, prefs, rb, seed: int = 0, label_filter=None):
+    torch.manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    model = algo.RewardEnsemble(INPUT_DIM, ensemble_size=3, hidden_dim=32, hidden_layers=2)
+    stats = algo.train_reward_model(model, torch.optim.Adam(model.parameters(), lr=3e-3), prefs, rb, args, rng, CPU, label_filter)
+    return model, stats
+
+
+def fresh_accuracy(algo, model, seed: int = 99, pairs: int = 500) -> float:
+    segments = np.random.default_rng(seed).standard_normal((pairs, 2, SEG_LEN, INPUT_DIM)).astype(np.float32)
+    returns = true_step_reward(segments).sum(-1)
+    probabilities = algo.mean_preference(model, torch.as_tensor(segments), torch.ones(pairs, 2, SEG_LEN)).numpy()
+    return float(((probabilities > 0.5) == (returns[:, 1] > returns[:, 0])).mean())
+
+
+# ----------------------------------------------------------------------------------------
+# smooth: the mistake-aware Bradley-Terry likelihood
+# ----------------------------------------------------------------------------------------
+def test_mistake_aware_loss_is_the_plain_loss_at_epsilon_zero_and_matches_hand_computation(algo):
+    torch.manual_seed(0)
+    returns = torch.randn(3, 40, 2, dtype=torch.float64) * 2  # (members, pairs, 2)
+    labels = torch.tensor(np.random.default_rng(0).choice([0.0, 0.5, 1.0], 40)).expand(3, -1)
+    plain = algo.bradley_terry_loss(returns, labels)
+    assert torch.equal(algo.mistake_aware_loss(returns, labels, 0.0), plain)  # exactly the same number
+    # The general formula is continuous at 0: a vanishing epsilon gives the plain loss.
+    assert float(algo.mistake_aware_loss(returns, labels, 1e-12)) == pytest.approx(float(plain), rel=1e-9)
+    # By hand: P(label) = eps + (1 - 2 eps) sigmoid(+-delta).
+    pairs = [(1.0, 2.0, 1.0), (0.5, -0.5, 0.0), (0.0, 0.3, 0.5), (40.0, -40.0, 1.0)]
+    eps = 0.2
+    by_hand = []
+    for r0, r1, y in pairs:
+        p1 = eps + (1 - 2 * eps) / (1 + math.exp(-(r1 - r0)))
+        by_hand.append(-(y * math.log(p1) + (1 - y) * math.log(1 - p1)))
+    got = algo.mistake_aware_loss(
+        torch.tensor([[a, b] for a, b, _ in pairs], dtype=torch.float64), torch.tensor([y for *_, y in pairs]), eps
+    )
+    assert float(got) == pytest.approx(sum(by_hand) / len(by_hand), rel=1e-10)
+    # A pair the model is sure of costs at most -ln(eps) when its label says otherwise (the plain loss: about 80).
+    sure_and_wrong = torch.tensor([[40.0, -40.0]], dtype=torch.float64), torch.tensor([1.0], dtype=torch.float64)
+    assert float(algo.mistake_aware_loss(*sure_and_wrong, eps)) == pytest.approx(-math.log(eps), rel=1e-6)
+    assert float(algo.bradley_terry_loss(*sure_and_wrong)) == pytest.approx(80.0, rel=1e-6)
+
+
+def test_smooth_at_epsilon_zero_trains_exactly_as_none(algo):
+    prefs, _, rb = planted_problem(algo, seed=1)
+    plain, plain_stats = fit(algo, small_args(algo, reward_net_epochs=5), prefs, rb)
+    smooth, smooth_stats = fit(algo, small_args(algo, reward_net_epochs=5, robust_labels="smooth", robust_label_epsilon=0.0), prefs, rb)
+    assert plain_stats == smooth_stats
+    for a, b in zip(plain.parameters(), smooth.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_default_none_trains_with_the_plain_loss_and_leaves_a_filter_alone(algo, monkeypatch):
+    assert algo.Args().robust_labels == "none"
+    prefs, _, rb = planted_problem(algo, seed=2)
+    reference, reference_stats = fit(algo, small_args(algo, reward_net_epochs=5), prefs, rb)
+
+    def never(*_):
+        raise AssertionError("none must not use the robust loss")
+
+    monkeypatch.setattr(algo, "mistake_aware_loss", never)
+    label_filter = algo.LabelFilter()
+    args = small_args(algo, reward_net_epochs=5, rime_warm_start_steps=100)
+    model, stats = fit(algo, args, prefs, rb, label_filter=label_filter)  # a filter passed under none: unused
+    assert stats == reference_stats and "labels_trusted" not in stats
+    assert label_filter.state_dict() == algo.LabelFilter().state_dict()
+    for a, b in zip(reference.parameters(), model.parameters()):
+        assert torch.equal(a, b)
+
+
+# ----------------------------------------------------------------------------------------
+# rime: the selection rule and the warm start
+# ----------------------------------------------------------------------------------------
+class TrustEverything(sac_rlhf.LabelFilter):
+    def thresholds(self, args):
+        return math.inf, math.inf
+
+
+class TrustEverythingPPO(pref_ppo.LabelFilter):
+    def thresholds(self, args):
+        return math.inf, math.inf
+
+
+def test_rime_that_trusts_every_label_trains_as_the_plain_loss(algo):
+    prefs, _, rb = planted_problem(algo, seed=3, flipped_share=0.0)  # clean labels
+    plain, plain_stats = fit(algo, small_args(algo, reward_net_epochs=8), prefs, rb)
+    trusting = TrustEverything() if algo is sac_rlhf else TrustEverythingPPO()
+    rime, rime_stats = fit(algo, small_args(algo, reward_net_epochs=8, robust_labels="rime"), prefs, rb, label_filter=trusting)
+    assert rime_stats["labels_trusted"] == 1.0 and rime_stats["labels_flipped"] == rime_stats["labels_dropped"] == 0.0
+    assert rime_stats["epochs"] == plain_stats["epochs"] and rime_stats["train_loss"] == pytest.approx(plain_stats["train_loss"], rel=1e-5)
+    for a, b in zip(plain.parameters(), rime.parameters()):
+        torch.testing.assert_close(a, b)
+
+
+def test_rime_on_clean_labels_keeps_almost_all_of_them(algo):
+    prefs, _, rb = planted_problem(algo, seed=4, flipped_share=0.0)
+    label_filter = algo.LabelFilter()
+    model, stats = fit(algo, small_args(algo, robust_labels="rime"), prefs, rb, label_filter=label_filter)
+    assert stats["labels_trusted"] >= 0.9 and stats["labels_flipped"] <= 0.02, stats
+    plain, _ = fit(algo, small_args(algo), prefs, rb)
+    assert fresh_accuracy(algo, model) >= fresh_accuracy(algo, plain) - 0.03
+
+
+def test_rime_drops_or_flips_the_planted_wrong_labels_more_often_than_the_clean_ones(algo):
+    prefs, planted, rb = planted_problem(algo, seed=5, flipped_share=0.25)
+    label_filter = algo.LabelFilter()
+    rime, stats = fit(algo, small_args(algo, robust_labels="rime", rime_warm_start_steps=50), prefs, rb, label_filter=label_filter)
+    assert stats["warm_start_loss"] >= 0 and label_filter.warm_started and label_filter.epochs == stats["epochs"]
+    segments, masks = torch.as_tensor(prefs.obs_actions), torch.as_tensor(prefs.masks, dtype=torch.float32)
+    trusted, flipped = label_filter.select(algo.mean_preference(rime, segments, masks), torch.as_tensor(prefs.labels), small_args(algo))
+    trusted, flipped = trusted.numpy(), flipped.numpy()
+    not_trusted = ~trusted
+    # Measured: 79 % of the planted labels dropped or flipped, 9 % of the clean ones.
+    assert not_trusted[planted].mean() >= 0.6 > 0.2 >= not_trusted[~planted].mean(), (
+        not_trusted[planted].mean(),
+        not_trusted[~planted].mean(),
+    )
+    assert flipped[planted].mean() >= flipped[~planted].mean() == 0.0  # a clean label is never flipped here
+    # The model learnt the true reward better than the plain loss on the same wrong labels.
+    plain, _ = fit(algo, small_args(algo), prefs, rb)
+    assert fresh_accuracy(algo, rime) > fresh_accuracy(algo, plain)
+
+
+def test_selection_thresholds_follow_rimes_bound():
+    args = sac_rlhf.Args(rime_alpha=0.5, rime_beta_max=3.0, rime_beta_min=1.0, rime_beta_decay_epochs=10, rime_flip_tau=0.001)
+    label_filter = sac_rlhf.LabelFilter()
+    trust, flip = label_filter.thresholds(args)
+    assert trust == pytest.approx(-math.log(1e-8)) and flip == pytest.approx(3 * math.log(10))  # rho = 0: every label trusted
+    label_filter.load_state_dict({"loss_max": 0.8, "loss_std": 0.5, "epochs": 5, "warm_started": True})
+    assert label_filter.thresholds(args)[0] == pytest.approx(-math.log(0.8) + 0.5 * 0.8 + 2.0 * 0.5)  # beta halfway: 2
+    label_filter.epochs = 50
+    assert label_filter.thresholds(args)[0] == pytest.approx(-math.log(0.8) + 0.4 + 1.0 * 0.5)  # beta at its minimum
+    label_filter.loss_std = 10.0
+    assert label_filter.thresholds(args)[0] == pytest.approx(-math.log(0.8) + 0.4 + 3.0)  # the uncertainty term is capped
+    # One selection: below the trust threshold trusted, above -ln(tau) flipped, in between dropped (a tie never flips).
+    label_filter = sac_rlhf.LabelFilter()
+    label_filter.load_state_dict({"loss_max": 1.0, "loss_std": 0.0, "epochs": 100, "warm_started": True})  # trust below 0.5
+    probabilities = torch.tensor([0.9, 0.5, 0.2, 1e-5, 0.5])
+    labels = torch.tensor([1.0, 1.0, 1.0, 1.0, 0.5])
+    trusted, flipped = label_filter.select(probabilities, labels, args)
+    assert trusted.tolist() == [True, False, False, False, False] and flipped.tolist() == [False, False, False, True, False]
+    assert label_filter.loss_max == pytest.approx(1.0 + 0.1 * (-math.log(0.9) - 1.0)) and label_filter.epochs == 101
+
+
+def test_warm_start_fits_the_state_entropy_of_the_buffer(algo):
+    rng = np.random.default_rng(6)
+    rb = algo.ReplayBuffer(2000, OBS_DIM, ACTION_DIM, 1)
+    # Half the states crowd near the origin, half spread out: the spread ones have the larger k-NN distances.
+    for i in range(2000):
+        obs = rng.standard_normal(OBS_DIM).astype(np.float32) * (0.1 if i % 2 else 3.0)
+        rb.add(obs, obs, np.zeros(ACTION_DIM, np.float32), 0.0, 0.0, i // 100, np.zeros(1))
+    torch.manual_seed(6)
+    model = algo.RewardEnsemble(INPUT_DIM, ensemble_size=3, hidden_dim=32, hidden_layers=2)
+    args = algo.Args(rime_warm_start_steps=300, explore_knn_sample_size=500)
+    loss = algo.warm_start_reward_model(model, torch.optim.Adam(model.parameters(), lr=3e-3), rb, args, rng, CPU)
+    mean, _ = algo.predict_rewards(model, torch.as_tensor(rb.obs_actions(np.arange(2000))))
+    assert loss < 0.1
+    assert mean[0::2].mean() > mean[1::2].mean() + 0.3  # spread-out states are rewarded as novel
+    assert math.isnan(algo.warm_start_reward_model(model, None, rb, replace(args, rime_warm_start_steps=0), rng, CPU))
+
+
+def test_label_filter_state_is_checkpointed_and_optional_in_old_checkpoints(algo):
+    label_filter = algo.LabelFilter()
+    label_filter.load_state_dict({"loss_max": 0.7, "loss_std": 0.2, "epochs": 12, "warm_started": True})
+    rng = np.random.default_rng(0)
+    state = training_state({"label_filter": label_filter}, rng)
+    restored = algo.LabelFilter()
+    load_training_state({"label_filter": restored}, rng, state)
+    assert restored.state_dict() == label_filter.state_dict()
+    fresh = algo.LabelFilter()
+    load_training_state({"label_filter": fresh}, rng, {k: v for k, v in state.items() if k != "label_filter"})
+    assert fresh.state_dict() == algo.LabelFilter().state_dict()
+
+
+# ----------------------------------------------------------------------------------------
+# Flags
+# ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"robust_label_epsilon": 0.5}, "--robust-label-epsilon must be in [0, 0.5), got 0.5"),
+        ({"rime_flip_tau": 0.0}, "--rime-flip-tau must be in (0, 0.5), got 0.0"),
+        ({"rime_beta_decay_epochs": 0}, "--rime-beta-decay-epochs must be >= 1, got 0"),
+        ({"rime_beta_min": 4.0}, "--rime-beta-min (4.0) must be <= --rime-beta-max (3.0)"),
+        ({"rime_warm_start_steps": -1}, "--rime-warm-start-steps must be >= 0, got -1"),
+    ],
+)
+def test_bad_robust_settings_are_refused_in_one_line(algo, overrides, message):
+    with pytest.raises(ConfigError, match=None) as error:
+        algo.validate_args(algo.Args(env_id="Hopper-v5" if algo is sac_rlhf else "CartPole-v1", **overrides))
+    assert str(error.value) == message
+
+
+def test_unknown_robust_labels_value_exits_2_with_one_line(tmp_path):
+    processes = [
+        subprocess.Popen(
+            [sys.executable, str(FRAMEWORK_DIR / script), "--robust-labels", "bogus"],
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for script in ("sac_rlhf.py", "pref_ppo.py")
+    ]
+    for process in processes:
+        stdout, stderr = process.communicate(timeout=120)
+        lines = [line for line in stderr.splitlines() if line.strip()]
+        assert process.returncode == 2, (stdout, stderr)
+        assert lines == ["error: --robust-labels 'bogus' is not one of: none, smooth, rime"], stderr
+    assert list(tmp_path.iterdir()) == []
