@@ -127,13 +127,27 @@ def test_write_summary_keeps_the_dict_and_writes_null_for_any_non_finite_number(
 # ----------------------------------------------------------------------------------------------------------
 # Install paths
 # ----------------------------------------------------------------------------------------------------------
+INSTALLING = (REPO / "docs" / "installing.md").read_text()  # the one place the install and update commands live
+
+
 def installing_section() -> str:
-    return README.split("## Installing", 1)[1].split("\n## ", 1)[0]
+    return INSTALLING
+
+
+def readme_quick_start() -> str:
+    return README.split("\n## Quick start\n", 1)[1].split("\n## ", 1)[0]
+
+
+def test_readme_install_lines_are_the_install_pages():
+    """The README's quick start repeats the pip install lines of docs/installing.md, word for word."""
+    readme_lines = re.findall(r"^pip install .*$", readme_quick_start(), re.M)
+    assert len(readme_lines) == 2 and readme_lines == re.findall(r"^pip install .*$", installing_section(), re.M)
+    assert "docs/installing.md" in readme_quick_start()
 
 
 def test_cpu_torch_lines_agree_with_ci_and_the_slurm_venv():
     """The README's pytorch.org CPU command pins the torch version CI installs; slurm/setup_venv.sh follows it."""
-    quick_start = README.split("## Quick start", 1)[1].split("## Installing", 1)[0]
+    quick_start = readme_quick_start()
     cpu_index = "--index-url https://download.pytorch.org/whl/cpu"
     (readme_pin,) = set(re.findall(rf"pip install torch==([\d.]+) {re.escape(cpu_index)}", quick_start + installing_section()))
     ci = (REPO / ".ci/run").read_text()
@@ -189,5 +203,5 @@ def test_poetry_check_accepts_the_readmes_cpu_torch_source(poetry, tmp_path):
 
 def test_quick_start_demo_is_a_run_script():
     """The README's 15-minute demo is a scripts/*.sh (tests/test_repo.py parses its flags with sac_rlhf's Args)."""
-    (demo,) = re.findall(r"^bash (scripts/\S+-demo\.sh)$", README.split("## Installing", 1)[0], re.M)
+    (demo,) = re.findall(r"^bash (scripts/\S+-demo\.sh)$", readme_quick_start(), re.M)
     assert (REPO / demo).is_file()

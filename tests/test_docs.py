@@ -1,0 +1,200 @@
+"""The README and the docs site stay true: generated pages current (and the check able to see a stale one), the site
+builds strictly, the README short, no page naming work items, and every command a page shows either run by a test or
+marked as long."""
+
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("gen_docs", REPO / "scripts" / "gen_docs.py")
+gen_docs = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(gen_docs)
+
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+LONG_MARKER = "<!-- long -->"
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Generated pages
+# ------------------------------------------------------------------------------------------------------------------
+def test_generated_pages_are_current():
+    assert gen_docs.stale(REPO) == [], "regenerate with: python scripts/gen_docs.py"
+
+
+def project_copy(tmp_path: Path) -> Path:
+    """What the generator reads and writes, copied, so a test can change a source without touching the checkout."""
+    copy = tmp_path / "repo"
+    ignore = shutil.ignore_patterns("__pycache__", "*.egg-info")
+    for folder in ("framework", "bench/results", "docs"):
+        shutil.copytree(REPO / folder, copy / folder, ignore=ignore)
+    shutil.copy(REPO / "README.md", copy / "README.md")
+    return copy
+
+
+def test_the_check_names_a_page_made_stale_by_a_docstring_or_a_result(tmp_path, capsys):
+    copy = project_copy(tmp_path)
+    assert gen_docs.stale(copy) == []
+    # A field's docstring changes (as when someone edits a flag's help): its flag pages are stale, and the CLI says which.
+    source = copy / "framework" / "sac_rlhf.py"
+    text = source.read_text()
+    assert '"""total environment steps"""' in text
+    source.write_text(text.replace('"""total environment steps"""', '"""environment steps of the whole run"""'))
+    found = gen_docs.stale(copy)
+    assert "docs/reference/flags-sac_rlhf.md" in found and "docs/reference/flags-sac.md" in found
+    assert "docs/reference/flags-pref_ppo.md" not in found
+    assert gen_docs.main(["--check", "--repo", str(copy)]) == 1
+    assert "stale: docs/reference/flags-sac_rlhf.md" in capsys.readouterr().err
+    # A results file changes: the benchmark page and the README's table are stale; a plot that is gone is named.
+    result = copy / "bench" / "results" / "feedback_efficiency_walker_walk_qpa_seed3.json"
+    result.write_text(result.read_text().replace('"seed": 3', '"seed": 33', 1))
+    (copy / "docs" / "benchmarks" / "img" / "feedback_efficiency_walker_walk_qpa.png").unlink()
+    found = gen_docs.stale(copy)
+    assert {"docs/benchmarks/feedback-efficiency.md", "docs/benchmarks/img/feedback_efficiency_walker_walk_qpa.png"} <= set(found)
+    # Regenerating makes the copy current again.
+    assert gen_docs.main(["--repo", str(copy)]) == 0
+    assert gen_docs.stale(copy) == []
+    assert "environment steps of the whole run" in (copy / "docs/reference/flags-sac_rlhf.md").read_text()
+
+
+def test_flag_pages_list_every_field_of_the_scripts_args():
+    """The parsed fields are the dataclasses' own: the same names, in the same order, as importing Args gives."""
+    import dataclasses
+
+    import evaluation
+    import sac_rlhf
+    import sweep
+
+    for name, module in (("sac_rlhf", sac_rlhf), ("evaluation", evaluation), ("sweep", sweep)):
+        page = (REPO / f"docs/reference/flags-{name}.md").read_text()
+        flags = re.findall(r"^\| `(--[a-z0-9-]+)`", page, re.M)
+        assert flags == ["--" + field.name.replace("_", "-") for field in dataclasses.fields(module.Args)], name
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The site builds strictly
+# ------------------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def mkdocs() -> None:
+    if importlib.util.find_spec("mkdocs") is None or importlib.util.find_spec("material") is None:
+        pytest.skip("mkdocs and mkdocs-material are not installed here (the dev extra installs them)")
+
+
+def build(root: Path, site: Path) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)]
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
+    return subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=300, env=env)
+
+
+def test_site_builds_strictly(mkdocs, tmp_path):
+    result = build(REPO, tmp_path / "site")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert (tmp_path / "site" / "index.html").is_file()
+
+
+def test_a_broken_internal_link_fails_the_build(mkdocs, tmp_path):
+    shutil.copytree(REPO / "docs", tmp_path / "docs")
+    shutil.copy(REPO / "mkdocs.yml", tmp_path / "mkdocs.yml")
+    page = tmp_path / "docs" / "troubleshooting.md"
+    page.write_text(page.read_text() + "\nSee [a page that is not there](no-such-page.md).\n")
+    result = build(tmp_path, tmp_path / "site")
+    assert result.returncode != 0
+    assert "no-such-page.md" in result.stdout + result.stderr
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The README and the pages
+# ------------------------------------------------------------------------------------------------------------------
+def test_readme_is_short_and_its_links_into_the_docs_exist():
+    readme = (REPO / "README.md").read_text()
+    assert len(readme.splitlines()) <= 250
+    links = re.findall(r"\]\(((?:docs/|LICENSE)[^)#]*)", readme)
+    assert links, "the README links into the docs"
+    for link in links:
+        assert (REPO / link).exists(), f"README.md links to {link}, which does not exist"
+
+
+def test_no_page_names_a_work_item():
+    for page in PAGES:
+        for number, line in enumerate(page.read_text().splitlines(), 1):
+            assert not re.search(r"\bissues?\s*#?\d+", line, re.I), f"{page.relative_to(REPO)}:{number}: {line.strip()}"
+
+
+def bash_commands(text: str) -> list[tuple[str, bool]]:
+    """Each command line of the page's ```bash blocks (continuations joined), and whether its block is marked long
+    (the line before the opening fence is `<!-- long -->`). Blocks inside a longer fence (an example) are skipped."""
+    commands = []
+    lines = text.splitlines()
+    index = 0
+    while index < len(lines):
+        match = re.match(r"^(`{3,})(\w*)", lines[index])
+        if not match:
+            index += 1
+            continue
+        fence, language = match.groups()
+        marked = index > 0 and lines[index - 1].strip() == LONG_MARKER
+        end = next(i for i in range(index + 1, len(lines)) if lines[i].startswith(fence) and lines[i].strip() == fence)
+        if language == "bash" and len(fence) == 3:
+            block = "\n".join(lines[index + 1 : end]).replace("\\\n", " ")
+            commands += [(" ".join(line.split()), marked) for line in block.splitlines() if line.strip()]
+        index = end + 1
+    return commands
+
+
+# Programs of this project a page may start: each such command must run in a test or be marked long.
+PROGRAM = re.compile(r"^(?:\w+=\S+ )*(?:python (?:framework|bench|toolbox|humanFeedback|scripts)/|bash (?:scripts|slurm|dev)/)")
+
+# Commands the docs show unmarked, and the test that runs each (with small inputs and step counts).
+RUN_BY_TESTS = {
+    r"^python toolbox/labels\.py (list|agreement) ": "tests/test_labels_toolbox.py::test_kappa_on_pairs_labelled_by_two_people_equals_the_hand_computed_value",
+    r"^python toolbox/labels\.py merge ": "tests/test_labels_toolbox.py::test_merge_never_duplicates_and_file_mode_reads_the_result",
+    r"^python toolbox/labels\.py (export (?!.*--format imitation)|import )": (
+        "tests/test_labels_toolbox.py::test_export_then_import_gives_identical_segments_and_labels"
+    ),
+    # imitation is not a dependency: the test runs the export where it is missing, and checks the one-line error
+    r"^python toolbox/labels\.py export .*--format imitation": (
+        "tests/test_labels_toolbox.py::test_imitation_export_says_what_it_needs_when_imitation_is_missing"
+    ),
+    r"^python framework/sac_rlhf\.py .*--teacher-feedback-mode file --feedback-file ": (
+        "tests/test_human_feedback.py::test_human_mode_receives_exactly_the_labels_given_and_file_mode_reuses_them"
+    ),
+    r"^python toolbox/compare\.py ": "tests/test_toolbox.py::test_same_seed_same_report_through_the_cli",
+    r"^python framework/evaluation\.py --path-to-model ": "tests/test_end_to_end.py::test_pebble_run_writes_scalars_checkpoint_and_feedback",
+    r"^python framework/sweep\.py --export-best ": "tests/test_sweep.py::test_optuna_sweep_stores_three_trials_and_exports_the_best",
+    r"^bash dev/install_test_deps\.sh": "tests/test_newcomer.py::test_install_test_deps_installs_what_is_missing_once_and_says_so",
+    r"^python scripts/gen_docs\.py": "tests/test_docs.py::test_the_check_names_a_page_made_stale_by_a_docstring_or_a_result",
+}
+
+
+def test_the_tests_named_for_commands_exist():
+    for test in RUN_BY_TESTS.values():
+        path, name = test.split("::")
+        assert re.search(rf"^def {name}\(", (REPO / path).read_text(), re.M), f"{test} does not exist"
+
+
+def test_every_command_the_docs_show_runs_in_a_test_or_is_marked_long():
+    unaccounted = []
+    for page in PAGES:
+        for command, marked in bash_commands(page.read_text()):
+            if marked or not PROGRAM.match(command):
+                continue
+            if not any(re.search(pattern, command) for pattern in RUN_BY_TESTS):
+                unaccounted.append(f"{page.relative_to(REPO)}: {command}")
+    assert not unaccounted, (
+        "commands neither run by a test (tests/test_docs.py RUN_BY_TESTS) nor marked long (<!-- long --> before the "
+        "block):\n" + "\n".join(unaccounted)
+    )
+
+
+def test_the_command_check_sees_an_unmarked_long_command():
+    page = "text\n\n```bash\npython framework/sac_rlhf.py --env-id Hopper-v5\n```\n"
+    (command, marked) = bash_commands(page)[0]
+    assert PROGRAM.match(command) and not marked
+    assert not any(re.search(pattern, command) for pattern in RUN_BY_TESTS)
+    assert bash_commands(page.replace("```bash", LONG_MARKER + "\n```bash")) == [(command, True)]
