@@ -9,7 +9,8 @@ What is generated (never edit these by hand; edit the source and re-run):
 - docs/benchmarks/feedback-efficiency.md and docs/benchmarks/measurements.md: tables from bench/results/*.json, and
   docs/benchmarks/img/*.png, the learning curves stored in those files.
 - the suite's results table in README.md and docs/benchmarks/index.md, between `<!-- results:start -->` and
-  `<!-- results:end -->` markers.
+  `<!-- results:end -->` markers, and each table a hand-written page asks for with `<!-- table: ... -->` markers
+  (see fill_tables).
 
 The check compares the markdown byte for byte. Plots are only checked to exist: matplotlib's PNG bytes differ between
 its versions, so comparing them would fail on a machine with another matplotlib although nothing changed.
@@ -258,6 +259,13 @@ def feedback_table(rows: list[dict], ppo: bool) -> list[str]:
             f"| {number(row.get('heldout_accuracy'), 2)} | {number(row.get('reward_correlation'), 2)} "
             f"| {number(row.get(f'{key}_sps'), 1)} vs {number(row.get(f'{base_key}_sps'), 1)} |"
         )
+    if len(rows) > 1:
+        med = {name: median([row.get(name) for row in rows]) for name in (f"{key}_return", f"{base_key}_return", "ratio", "last_ratio")}
+        med.update({name: median([row.get(name) for row in rows]) for name in ("heldout_accuracy", "reward_correlation")})
+        lines.append(
+            f"| **median** | | {number(med[f'{key}_return'])} | {number(med[f'{base_key}_return'])} | **{number(med['ratio'], 2)}** | "
+            f"| {number(med['last_ratio'], 2)} | | {number(med['heldout_accuracy'], 2)} | {number(med['reward_correlation'], 2)} | |"
+        )
     return lines
 
 
@@ -345,7 +353,9 @@ def feedback_page(repo: Path, results: dict[str, dict], plots: dict[str, Callabl
         "settings it recorded), one row per seed, and the learning curves where the file kept them (solid: learning "
         "from preferences; dashed: the same algorithm on the true reward, same seed). The ratio is the final "
         "evaluation's return over the baseline's; the last-3 columns use the mean of the last three evaluations, "
-        "steadier on tasks whose evaluations swing. What the runs taught is in [Findings](findings.md).",
+        "steadier on tasks whose evaluations swing. Held-out accuracy is the reward model's on labels kept out of training in "
+        "the oldest files, and on 1000 fresh pairs labelled by the true reward (no label spent) since. What the runs taught "
+        "is in [Findings](findings.md).",
         "",
         "## The suite",
         "",
@@ -436,6 +446,40 @@ def measurements_page(results: dict[str, dict]) -> str:
 
 
 # ------------------------------------------------------------------------------------------------------------------
+# Tables inside hand-written pages
+# ------------------------------------------------------------------------------------------------------------------
+# A hand-written page (docs/**/*.md) asks for a generated table with a pair of markers; what is between them is
+# replaced by the table of the named results files:
+#   <!-- table: feedback feedback_efficiency_walker_walk_qpa feedback_efficiency_walker_walk_qpa_seed3 -->
+#   <!-- /table -->
+# `feedback`: the per-seed table of feedback-efficiency files (rows of all files, a median row); `rows`: one file's
+# `rows` (or `results`, `medians`) as they are.
+TABLE_MARKER = re.compile(r"(<!-- table: (\w+) ([^>]*?) -->\n)(.*?)(<!-- /table -->)", re.S)
+
+
+def marked_table(kind: str, stems: list[str], results: dict[str, dict], where: str) -> str:
+    missing = [stem for stem in stems if stem not in results]
+    if missing:
+        raise SystemExit(f"{where}: no bench/results/{missing[0]}.json for its table marker")
+    if kind == "feedback":
+        rows = [row for stem in stems for row in results[stem]["rows"]]
+        return "\n".join(feedback_table(rows, is_ppo(results[stems[0]]))) + "\n"
+    if kind == "rows":
+        result = results[stems[0]]
+        rows = next(result[key] for key in ("rows", "results", "medians") if isinstance(result.get(key), list))
+        kind_columns = next((columns for prefix, columns in MEASUREMENT_COLUMNS.items() if stems[0].startswith(prefix)), None)
+        return "\n".join(generic_table(rows, kind_columns)) + "\n"
+    raise SystemExit(f"{where}: unknown table kind {kind!r} (feedback, rows)")
+
+
+def fill_tables(text: str, results: dict[str, dict], where: str) -> str:
+    def replace(match: re.Match) -> str:
+        return match.group(1) + marked_table(match.group(2), match.group(3).split(), results, where) + match.group(5)
+
+    return TABLE_MARKER.sub(replace, text)
+
+
+# ------------------------------------------------------------------------------------------------------------------
 # Everything, and the check
 # ------------------------------------------------------------------------------------------------------------------
 def generate(repo: Path = REPO) -> tuple[dict[str, str], dict[str, Callable[[Path], None]]]:
@@ -457,6 +501,11 @@ def generate(repo: Path = REPO) -> tuple[dict[str, str], dict[str, Callable[[Pat
             head, rest = text.split(README_START, 1)
             _, tail = rest.split(README_END, 1)
             pages[relative] = f"{head}{README_START}\n{suite_table(results, link)}{README_END}{tail}"
+    for path in sorted((repo / "docs").rglob("*.md")):
+        relative = str(path.relative_to(repo))
+        text = pages.get(relative, path.read_text())
+        if relative not in pages and TABLE_MARKER.search(text):
+            pages[relative] = fill_tables(text, results, relative)
     plot_files = {f"docs/benchmarks/img/{stem}.png": draw for stem, draw in plots.items()}
     return pages, plot_files
 
