@@ -214,3 +214,47 @@ def test_flags_in_the_feature_pages_tables_exist(page, script):
             shown |= set(re.findall(r"(--[a-z0-9][a-z0-9-]*)", line.split("|")[1]))
     assert shown, page
     assert not shown - reference, f"docs/{page} shows flags that {script}.py does not have: {sorted(shown - reference)}"
+
+
+def default_value(text: str):
+    """A default as a hand-written table or the generated reference writes it (`on`, `1 000 000`, `3e-4`, `'disagree'`,
+    `0 (off)`), as a comparable value; None where it is prose (`1/dt`, `terminates`, a path pattern)."""
+    code_span = text.strip().startswith("`")
+    text = re.sub(r"\s*\(.*\)$", "", text.strip().strip("`").replace("−", "-")).strip("`")
+    if text in ("on", "True"):
+        return True
+    if text in ("off", "False"):
+        return False
+    try:
+        return float(text.replace(" ", "").replace("_", ""))
+    except ValueError:
+        pass
+    quoted = re.fullmatch(r"""['"]([^'"]*)['"]""", text)
+    if quoted:
+        return quoted.group(1)
+    return text if code_span and re.fullmatch(r"[\w.:/-]+", text) and text != "None" else None
+
+
+@pytest.mark.parametrize("page, script", FEATURE_PAGES.items())
+def test_defaults_in_the_feature_pages_tables_are_the_codes(page, script):
+    """A one-flag row's default (where it is a value, not prose) equals the code's, so a changed default in the code
+    fails here until the hand-written table follows it."""
+    reference = {}
+    for line in (REPO / f"docs/reference/flags-{script}.md").read_text().splitlines():
+        row = re.match(r"^\| `(--[a-z0-9-]+)`(?: / `--no-[a-z0-9-]+`)? \| .*? \| (.*?) \| ", line)
+        if row:
+            reference[row.group(1)] = default_value(row.group(2))
+    compared = 0
+    for line in (REPO / "docs" / page).read_text().splitlines():
+        cells = [cell.strip() for cell in line.split("|")[1:-1]]
+        if not line.startswith("| `--") or not re.fullmatch(r"`--[a-z0-9-]+`", cells[0]):
+            continue
+        flag = cells[0].strip("`")
+        if flag not in reference and flag.startswith("--no-"):
+            flag = "--" + flag.removeprefix("--no-")  # a row for --no-X gives X's default (on / off)
+        shown, code = default_value(cells[1]), reference.get(flag)
+        if shown is None or code is None:
+            continue
+        compared += 1
+        assert shown == code, f"docs/{page}: {cells[0]} shows default {cells[1]!r}, the code has {code!r}"
+    assert compared >= 3, page
