@@ -33,6 +33,19 @@ seeds.
     python bench/reward_learning.py run --envs dm_control/walker-walk-v0 --stage 30000 --budgets 25 50 100 200 500 \\
         --strategies uniform disagree entropy --variants default seg25 ens5 lr1e-3 --output bench/results/reward_learning_walker_30k.json
 
+Noisy teachers (issue 27): `--teachers` labels with B-Pref's noise, `oracle` (the default), `mistake<eps>`
+(--teacher-eps-mistake: a share eps of the labels flipped) or `beta<b>` (--teacher-beta: labels drawn from the
+Bradley-Terry probability with temperature b, so that close pairs are the ones labelled wrong); accuracy is always
+against the true reward. The variants `smooth`, `smooth0.3`, `rime` and `rime-nowarm` are the scripts'
+--robust-labels options (rime's warm start fits the k-NN state entropy of the training buffer, which here comes from a
+sac.py run rather than from exploration). Rows add `label_error` (the labels' own error rate against the true reward)
+and rime's shares of labels trusted/dropped/flipped in the last epoch; a second table gives, per teacher, every
+variant's median acc over seeds with its range.
+
+    python bench/reward_learning.py run --envs dm_control/walker-walk-v0 Hopper-v5 --stage 10000 --budgets 50 100 \
+        --strategies disagree --teachers oracle mistake0.1 mistake0.2 mistake0.3 beta10 beta1 \
+        --variants default smooth rime --seeds 1 2 3 --output bench/results/reward_learning_noise.json
+
 Variants change sac_rlhf.Args fields passed to train_reward_model; the few the scripts have no setting for (ReLU,
 weight decay, a step count proportional to the labels, the old segment sampler) are BENCH-ONLY EXPERIMENTS, marked so
 below: if one wins, it has to be written into sac_rlhf.py and pref_ppo.py before a run can use it. A run that is
@@ -130,7 +143,33 @@ VARIANTS = {
         "BENCH-ONLY: the sampler before whole segments: starts anywhere, segments cut by time limits and the newest step",
         cut_segments=True,
     ),
+    # noisy teachers (--robust-labels)
+    "smooth": Variant("mistake-aware Bradley-Terry expecting 10 % flipped labels (--robust-labels smooth)", {"robust_labels": "smooth"}),
+    "smooth0.3": Variant(
+        "mistake-aware Bradley-Terry expecting 30 % flipped labels", {"robust_labels": "smooth", "robust_label_epsilon": 0.3}
+    ),
+    "rime": Variant(
+        "RIME's selection and warm start (--robust-labels rime); the warm start fits the k-NN state entropy of the training buffer",
+        {"robust_labels": "rime"},
+    ),
+    "rime-nowarm": Variant("RIME's selection without its warm start", {"robust_labels": "rime", "rime_warm_start_steps": 0}),
 }
+
+# The teacher's noise (sac_rlhf.Args' B-Pref flags): `oracle`, `mistake<eps>` (--teacher-eps-mistake), `beta<b>` (--teacher-beta)
+TEACHER_PREFIXES = {"mistake": "teacher_eps_mistake", "beta": "teacher_beta"}
+
+
+def teacher_settings(name: str) -> dict:
+    """sac_rlhf.Args fields of a teacher named `oracle`, `mistake0.2` or `beta10`."""
+    if name == "oracle":
+        return {}
+    for prefix, field_name in TEACHER_PREFIXES.items():
+        if name.startswith(prefix):
+            try:
+                return {field_name: float(name[len(prefix) :])}
+            except ValueError:
+                break
+    raise SystemExit(f"unknown teacher {name!r}: oracle, mistake<eps> (e.g. mistake0.2) or beta<b> (e.g. beta10)")
 
 
 def new_model(variant: Variant, args: sac_rlhf.Args, rb: ReplayBuffer) -> tuple[sac_rlhf.RewardEnsemble, torch.optim.Optimizer]:
@@ -265,8 +304,11 @@ def session_sizes(budgets: list[int], session_size: int) -> list[int]:
     return [b - a for a, b in zip([0, *ends], ends)]
 
 
-def run_trial(rb: ReplayBuffer, evals: dict[str, EvalSet], strategy: str, variant: Variant, seed: int, opts) -> list[dict]:
-    args = sac_rlhf.Args(**variant.args, seed=seed, preference_sampling=strategy)
+def run_trial(
+    rb: ReplayBuffer, evals: dict[str, EvalSet], strategy: str, variant: Variant, seed: int, opts, teacher_name: str = "oracle"
+) -> list[dict]:
+    args = sac_rlhf.Args(**variant.args, **teacher_settings(teacher_name), seed=seed, preference_sampling=strategy)
+    label_filter = sac_rlhf.LabelFilter()  # --robust-labels rime's state across sessions, as the run's
     torch.manual_seed(seed)  # ensemble initialisation and train_reward_model's shuffles
     rng = np.random.default_rng(seed)  # query sampling and SURF's unlabelled pairs, as the run's rng
     teacher = sac_rlhf.SyntheticTeacher(
@@ -296,7 +338,7 @@ def run_trial(rb: ReplayBuffer, evals: dict[str, EvalSet], strategy: str, varian
             steps = math.ceil(variant.epochs_per_label * len(prefs) / args.reward_net_batch_size)
             args = dataclasses.replace(args, reward_net_epochs=math.ceil(steps / steps_per_epoch), **NO_STOP)
         cpu, wall = time.process_time(), time.perf_counter()
-        stats = sac_rlhf.train_reward_model(model, optimizer, prefs, rb, args, rng, "cpu")
+        stats = sac_rlhf.train_reward_model(model, optimizer, prefs, rb, args, rng, "cpu", label_filter)
         fit_cpu, fit_wall = fit_cpu + time.process_time() - cpu, fit_wall + time.perf_counter() - wall
         adam_steps += stats["epochs"] * math.ceil(len(prefs) / args.reward_net_batch_size)
         if asked in opts.budgets:  # measured after the session that reaches a budget
@@ -308,6 +350,10 @@ def run_trial(rb: ReplayBuffer, evals: dict[str, EvalSet], strategy: str, varian
                 "adam_steps": adam_steps,
             }
             row |= {"fit_cpu_s": fit_cpu, "fit_wall_s": fit_wall, "pseudo_labels": stats["pseudo_labels"]}
+            true_returns = prefs.true_rewards.sum(-1)  # the labels' own error rate against the true reward (ties left out)
+            decided = (true_returns[:, 0] != true_returns[:, 1]) & (prefs.labels != 0.5)
+            row["label_error"] = float(((prefs.labels > 0.5) != (true_returns[:, 1] > true_returns[:, 0]))[decided].mean())
+            row |= {name: stats[name] for name in ("labels_trusted", "labels_dropped", "labels_flipped") if name in stats}
             row["train_acc"] = sac_rlhf.preference_accuracy(model, prefs, np.arange(len(prefs)), "cpu")
             for name, data in evals.items():
                 suffix = "" if name == "same" else "_latest"
@@ -320,9 +366,21 @@ def run_trial(rb: ReplayBuffer, evals: dict[str, EvalSet], strategy: str, varian
 # The benchmark
 # ----------------------------------------------------------------------------------------
 METRICS = ["acc", "acc_latest", "r_step", "rho_step", "r_seg", "rho_seg", "r_step_latest", "rho_seg_latest", "train_acc"]
+METRICS += ["label_error", "labels_trusted", "labels_dropped", "labels_flipped"]
 COSTS = ["epochs", "adam_steps", "fit_cpu_s"]
-COLUMNS = ["env", "stage", "sess", "strategy", "variant", "labels", "seeds", "acc", "d_acc", "acc_latest", "d_acc_latest", "r_step"]  # fmt: skip
-COLUMNS += ["rho_step", "r_seg", "rho_seg", "r_step_latest", "train_acc", "epochs", "adam_steps", "fit_cpu_s"]
+COLUMNS = ["env", "stage", "sess", "strategy", "teacher", "variant", "labels", "seeds", "acc", "acc_min", "acc_max", "d_acc", "acc_latest", "d_acc_latest", "r_step"]  # fmt: skip
+COLUMNS += [
+    "rho_step",
+    "r_seg",
+    "rho_seg",
+    "r_step_latest",
+    "train_acc",
+    "label_error",
+    "labels_trusted",
+    "labels_dropped",
+    "labels_flipped",
+]
+COLUMNS += ["epochs", "adam_steps", "fit_cpu_s"]
 
 
 def median(values: list[float]) -> float:
@@ -331,30 +389,65 @@ def median(values: list[float]) -> float:
 
 
 def summarise(trials: list[dict]) -> list[dict]:
-    """Medians over seeds per (env, stage, session size, strategy, variant, labels); d_acc and d_acc_latest pair each
-    seed with default's."""
+    """Medians over seeds per (env, stage, session size, strategy, teacher, variant, labels), with acc's range over
+    seeds (acc_min, acc_max); d_acc and d_acc_latest pair each seed with default's under the same teacher."""
     groups: dict[tuple, list[dict]] = {}
     for trial in trials:
+        teacher = trial.get("teacher", "oracle")  # trials from before the teacher axis: the oracle's
         for row in trial["rows"]:
-            key = (trial["env"], trial["stage"], trial["session_size"], trial["strategy"], trial["variant"], row["labels"])
+            key = (trial["env"], trial["stage"], trial["session_size"], trial["strategy"], teacher, trial["variant"], row["labels"])
             groups.setdefault(key, []).append({**row, "seed": trial["seed"]})
     table = []
     for key, rows in groups.items():
-        env, stage, session_size, strategy, variant, labels = key
-        summary = {"env": env, "stage": stage, "sess": session_size, "strategy": strategy, "variant": variant, "labels": labels}
-        summary["seeds"] = len(rows)
+        env, stage, session_size, strategy, teacher, variant, labels = key
+        summary = {"env": env, "stage": stage, "sess": session_size, "strategy": strategy, "teacher": teacher, "variant": variant}
+        summary |= {"labels": labels, "seeds": len(rows)}
         for name in METRICS + COSTS + ["fit_wall_s"]:
             summary[name] = median([r.get(name, float("nan")) for r in rows])
-        default = {r["seed"]: r for r in groups.get((env, stage, session_size, strategy, "default", labels), [])}
+        summary["acc_min"], summary["acc_max"] = min(r["acc"] for r in rows), max(r["acc"] for r in rows)
+        default = {r["seed"]: r for r in groups.get((env, stage, session_size, strategy, teacher, "default", labels), [])}
         for name in ("acc", "acc_latest"):
             summary[f"d_{name}"] = median([r[name] - default[r["seed"]][name] for r in rows if r["seed"] in default])
         table.append(summary)
     order = {name: i for i, name in enumerate(VARIANTS)}
-    return sorted(table, key=lambda r: (r["env"], r["stage"], r["sess"], r["strategy"], r["labels"], order.get(r["variant"], 99)))
+    return sorted(
+        table,
+        key=lambda r: (
+            r["env"],
+            r["stage"],
+            r["sess"],
+            r["strategy"],
+            r["labels"],
+            teacher_order(r["teacher"]),
+            order.get(r["variant"], 99),
+        ),
+    )
 
 
-def trial_key(env_id: str, stage: int, strategy: str, variant: str, seed: int, session_size: int, budgets: list[int]) -> tuple:
-    return env_id, stage, strategy, variant, seed, session_size, tuple(sorted(budgets))
+def teacher_order(name: str) -> tuple:
+    """oracle, then mistake<eps> by eps, then beta<b> by decreasing b (less rational last)."""
+    settings = teacher_settings(name)
+    if not settings:
+        return (0, 0.0)
+    return (1, settings["teacher_eps_mistake"]) if "teacher_eps_mistake" in settings else (2, -settings["teacher_beta"])
+
+
+def noise_table(table: list[dict]) -> list[dict]:
+    """One row per (env, labels, teacher), one column per variant: its median acc over seeds with the range."""
+    rows: dict[tuple, dict] = {}
+    for r in table:
+        row = rows.setdefault(
+            (r["env"], r["strategy"], r["labels"], r["teacher"]), {"env": r["env"], "labels": r["labels"], "teacher": r["teacher"]}
+        )
+        row["label_error"] = r["label_error"] if r["variant"] == "default" else row.get("label_error", r["label_error"])
+        row[r["variant"]] = f"{r['acc']:.3f} ({r['acc_min']:.3f}-{r['acc_max']:.3f})"
+    return list(rows.values())
+
+
+def trial_key(
+    env_id: str, stage: int, strategy: str, variant: str, seed: int, session_size: int, budgets: list[int], teacher: str = "oracle"
+) -> tuple:
+    return env_id, stage, strategy, variant, seed, session_size, tuple(sorted(budgets)), teacher
 
 
 def run_benchmark(opts) -> None:
@@ -367,7 +460,12 @@ def run_benchmark(opts) -> None:
     earlier = json.loads((tmp if tmp.exists() else output).read_text()) if opts.resume and (tmp.exists() or output.exists()) else {}
     trials, commands = earlier.get("trials", []), earlier.get("commands", [])
     commands.append(" ".join(["python", "bench/reward_learning.py", *sys.argv[1:]]))
-    done = {trial_key(t["env"], t["stage"], t["strategy"], t["variant"], t["seed"], t["session_size"], t["budgets"]) for t in trials}
+    done = {
+        trial_key(t["env"], t["stage"], t["strategy"], t["variant"], t["seed"], t["session_size"], t["budgets"], t.get("teacher", "oracle"))
+        for t in trials
+    }
+    for name in opts.teachers:
+        teacher_settings(name)  # an unknown teacher fails before any trial
     buffers_info = {}
     for env_id in opts.envs:
         stages = stage_buffers(env_id)
@@ -387,19 +485,19 @@ def run_benchmark(opts) -> None:
             "train": {"path": str(stages[opts.stage].relative_to(REPO)), "transitions": rb.size, "true_reward_mean": float(rb.true_rewards[: rb.size].mean())},
             "latest": {"path": str(stages[latest_stage].relative_to(REPO)), "window": window.size, "true_reward_mean": float(window.true_rewards[: window.size].mean())},
         }  # fmt: skip
-        for strategy in opts.strategies:
+        for strategy, teacher in [(s, t) for s in opts.strategies for t in opts.teachers]:
             for seed in opts.seeds:  # every variant of a seed before the next seed: an interrupted run stays paired
                 for variant in variants:
-                    if trial_key(env_id, opts.stage, strategy, variant, seed, opts.session_size, opts.budgets) in done:
+                    if trial_key(env_id, opts.stage, strategy, variant, seed, opts.session_size, opts.budgets, teacher) in done:
                         continue
                     start = time.perf_counter()
-                    rows = run_trial(rb, evals, strategy, VARIANTS[variant], seed, opts)
-                    trial = {"env": env_id, "stage": opts.stage, "strategy": strategy, "variant": variant, "seed": seed}
+                    rows = run_trial(rb, evals, strategy, VARIANTS[variant], seed, opts, teacher)
+                    trial = {"env": env_id, "stage": opts.stage, "strategy": strategy, "teacher": teacher, "variant": variant, "seed": seed}
                     trial |= {"session_size": opts.session_size, "budgets": sorted(opts.budgets), "wall_s": time.perf_counter() - start}
                     trials.append(trial | {"rows": rows})
                     accs = " ".join(f"{r['labels']}:{r['acc']:.3f}/{r['acc_latest']:.3f}" for r in rows)
                     print(
-                        f"{env_id} {strategy} {variant} seed {seed}: acc/acc_latest {accs} ({time.perf_counter() - start:.0f} s)",
+                        f"{env_id} {strategy} {teacher} {variant} seed {seed}: acc/acc_latest {accs} ({time.perf_counter() - start:.0f} s)",
                         flush=True,
                     )
                     tmp.parent.mkdir(parents=True, exist_ok=True)
@@ -408,6 +506,10 @@ def run_benchmark(opts) -> None:
     measured = [name for name in VARIANTS if any(t["variant"] == name for t in trials)]
     print()
     print_table(table, COLUMNS)
+    if len({r["teacher"] for r in table}) > 1 or any(r["teacher"] != "oracle" for r in table):
+        print("\nfresh-pair accuracy against the true reward, median over seeds (min-max); label_error: the labels' own error rate")
+        pivot = noise_table(table)
+        print_table(pivot, ["env", "labels", "teacher", "label_error", *[v for v in VARIANTS if any(v in r for r in pivot)]])
     settings = {k: v for k, v in vars(opts).items() if k != "func"}
     payload = {
         "benchmark": "reward_learning",
@@ -447,6 +549,10 @@ def main() -> None:
     run.add_argument("--strategies", nargs="+", default=["uniform", "disagree"], choices=["uniform", "disagree", "entropy"])
     run.add_argument("--variants", nargs="+", default=["default", "epochs50", "surf-off", "reinit"], help="`default` always runs")
     run.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3])
+    run.add_argument(
+        "--teachers", nargs="+", default=["oracle"],
+        help="the synthetic teacher's noise: oracle, mistake<eps> (--teacher-eps-mistake eps), beta<b> (--teacher-beta b)",
+    )  # fmt: skip
     run.add_argument("--eval-pairs", type=int, default=1000)
     run.add_argument("--eval-segment-length", type=int, default=50, help="fresh pairs' length, whatever the variant's")
     run.add_argument("--latest-window", type=int, default=10_000, help="the latest policy's data: last transitions of the longest buffer")

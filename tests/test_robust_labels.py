@@ -277,3 +277,98 @@ def test_unknown_robust_labels_value_exits_2_with_one_line(tmp_path):
         assert process.returncode == 2, (stdout, stderr)
         assert lines == ["error: --robust-labels 'bogus' is not one of: none, smooth, rime"], stderr
     assert list(tmp_path.iterdir()) == []
+
+
+# ----------------------------------------------------------------------------------------
+# The scripts: a short run with a teacher that is wrong one time in five
+# ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("script", ["sac_rlhf", "pref_ppo"])
+def test_a_rime_run_logs_its_selection_and_checkpoints_its_state(chdir_tmp, script):
+    from test_end_to_end import scalars
+    from test_end_to_end import small_args as sac_args
+    from test_pref_ppo import hopper_args
+
+    make_args, algo = (sac_args, sac_rlhf) if script == "sac_rlhf" else (hopper_args, pref_ppo)
+    args = make_args("rime", robust_labels="rime", teacher_eps_mistake=0.2, rime_warm_start_steps=50, checkpoint_frequency=0)
+    summary = algo.main(args)
+    assert summary["labels_obtained"] == 30
+    tags = scalars(Path("runs/rime"))
+    shares = [tags[f"reward_model/labels_{name}"] for name in ("trusted", "dropped", "flipped")]
+    assert len(shares[0]) == summary["feedback_sessions"] == 3  # one value per session
+    for values in zip(*shares):
+        assert sum(value for _, value in values) == pytest.approx(1.0)
+    assert len(tags["reward_model/warm_start_loss"]) == 1  # the first session only
+    checkpoint = torch.load("models/rime/latest/checkpoint.pt", weights_only=False)
+    assert checkpoint["label_filter"]["warm_started"] and checkpoint["label_filter"]["epochs"] >= 3
+
+
+def test_a_rime_run_interrupted_in_its_second_reward_update_resumes_exactly(chdir_tmp, monkeypatch):
+    """The filter's running thresholds are part of the state a checkpoint taken inside a reward update rolls back."""
+    from test_end_to_end import assert_same_training, final_state, small_args
+
+    noisy = {"robust_labels": "rime", "teacher_eps_mistake": 0.2, "rime_warm_start_steps": 50, "total_timesteps": 1000}
+    sac_rlhf.main(small_args("whole", **noisy))
+    uninterrupted = final_state("whole")
+    real_train, calls = sac_rlhf.train_reward_model, []
+
+    def train(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real_train(*args, **kwargs)
+
+    monkeypatch.setattr(sac_rlhf, "train_reward_model", train)
+    with pytest.raises(KeyboardInterrupt):
+        sac_rlhf.main(small_args("cut", **noisy))
+    monkeypatch.setattr(sac_rlhf, "train_reward_model", real_train)
+    assert final_state("cut")["checkpoint"]["label_filter"]["warm_started"]  # the first update's state, kept
+    sac_rlhf.main(small_args("cut", resume="models/cut/latest", **noisy))
+    resumed = final_state("cut")
+    assert_same_training(uninterrupted, resumed)
+    assert resumed["checkpoint"]["label_filter"] == uninterrupted["checkpoint"]["label_filter"]
+
+
+# ----------------------------------------------------------------------------------------
+# bench/reward_learning.py: the teacher's noise as an axis
+# ----------------------------------------------------------------------------------------
+def reward_learning_bench():
+    bench = str(Path(__file__).resolve().parents[1] / "bench")
+    sys.path.insert(0, bench)
+    try:
+        import reward_learning
+    finally:
+        sys.path.remove(bench)
+    return reward_learning
+
+
+def test_the_reward_learning_bench_labels_with_a_noisy_teacher_and_reports_the_selection():
+    bench = reward_learning_bench()
+    assert bench.teacher_settings("oracle") == {}
+    assert bench.teacher_settings("mistake0.3") == {"teacher_eps_mistake": 0.3}
+    assert bench.teacher_settings("beta10") == {"teacher_beta": 10.0}
+    with pytest.raises(SystemExit, match="unknown teacher 'noisy'"):
+        bench.teacher_settings("noisy")
+    rng = np.random.default_rng(0)
+    rb = sac_rlhf.ReplayBuffer(2000, OBS_DIM, ACTION_DIM, 1)
+    for i, x in enumerate(rng.standard_normal((2000, INPUT_DIM)).astype(np.float32)):
+        rb.add(x[:OBS_DIM], x[:OBS_DIM], x[OBS_DIM:], true_step_reward(x), 0.0, i // 100, np.zeros(1))
+    evals = {name: bench.EvalSet.from_buffer(rb, 100, 20, seed) for name, seed in (("same", 1), ("latest", 2))}
+    opts = type("Opts", (), {"budgets": [40], "session_size": 20})()
+    variant = bench.Variant("small", {"segment_length": 20, "reward_net_hidden_dim": 32, "reward_net_epochs": 10, "robust_labels": "rime"})
+    rows = bench.run_trial(rb, evals, "uniform", variant, 1, opts, "mistake0.3")
+    assert [row["labels"] for row in rows] == [40]
+    assert 0.1 <= rows[0]["label_error"] <= 0.5  # about 30 % of the labels are wrong
+    assert rows[0]["labels_trusted"] + rows[0]["labels_dropped"] + rows[0]["labels_flipped"] == pytest.approx(1.0)
+    # Medians per teacher, with acc's range over seeds and d_acc against default under the same teacher.
+    trials = [
+        {"env": "E", "stage": 1, "session_size": 20, "strategy": "uniform", "teacher": teacher, "variant": variant, "seed": seed,
+         "rows": [{"labels": 40, "acc": acc, "acc_latest": acc}]}
+        for teacher, variant, seed, acc in [
+            ("oracle", "default", 1, 0.9), ("mistake0.2", "default", 1, 0.7), ("mistake0.2", "default", 2, 0.6),
+            ("mistake0.2", "rime", 1, 0.8), ("mistake0.2", "rime", 2, 0.9),
+        ]
+    ]  # fmt: skip
+    table = {(r["teacher"], r["variant"]): r for r in bench.summarise(trials)}
+    rime = table[("mistake0.2", "rime")]
+    assert (rime["acc"], rime["acc_min"], rime["acc_max"], rime["d_acc"]) == pytest.approx((0.85, 0.8, 0.9, 0.2))
+    assert table[("oracle", "default")]["d_acc"] == 0.0
