@@ -258,3 +258,14 @@ def test_defaults_in_the_feature_pages_tables_are_the_codes(page, script):
         compared += 1
         assert shown == code, f"docs/{page}: {cells[0]} shows default {cells[1]!r}, the code has {code!r}"
     assert compared >= 3, page
+
+
+def test_every_file_the_pages_name_in_scripts_dev_slurm_and_bench_exists():
+    """Hand-written pages only: the generated ones quote the commands the results files recorded, as they ran."""
+    generated = {REPO / gen_docs.FEEDBACK_PAGE, REPO / gen_docs.MEASUREMENTS_PAGE, *(REPO / "docs" / "reference").glob("*.md")}
+    pattern = r"(?<![\w/])((?:scripts|dev|slurm|bench|toolbox|framework|humanFeedback)/[\w./-]+\.(?:sh|py|json|yaml))"
+    for page in PAGES:
+        if page in generated:
+            continue
+        for path in set(re.findall(pattern, page.read_text())):
+            assert (REPO / path).exists(), f"{page.relative_to(REPO)} names {path}, which does not exist"
