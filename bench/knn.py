@@ -29,7 +29,7 @@ from common import REPO, machine_info, print_table, write_json
 
 import sac_rlhf
 from cleanrlhf_utils.buffers import ReplayBuffer
-from cleanrlhf_utils.runs import RunningMoments
+from cleanrlhf_utils.training import RunningMoments
 
 # A worker times one checkout's knn_state_entropy (imported from its working directory, a checkout's framework/, which
 # is first on a `python -c` process's path) on requests read from stdin, one JSON line each, answered the same way.

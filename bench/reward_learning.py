@@ -68,12 +68,11 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn as nn
-from common import FRAMEWORK, REPO, machine_info, print_table, read_summary, start_script, wait_all, write_json
+from common import REPO, machine_info, print_table, read_summary, start_script, wait_all, write_json
 from scipy.stats import rankdata
 
-sys.path.insert(0, str(FRAMEWORK))
-import sac_rlhf  # noqa: E402
-from cleanrlhf_utils.buffers import ReplayBuffer  # noqa: E402
+import sac_rlhf
+from cleanrlhf_utils.buffers import ReplayBuffer
 
 WORKDIR = REPO / "bench" / "workdir"
 BUFFERS = WORKDIR / "buffers"
@@ -153,6 +152,9 @@ VARIANTS = {
         {"robust_labels": "rime"},
     ),
     "rime-nowarm": Variant("RIME's selection without its warm start", {"robust_labels": "rime", "rime_warm_start_steps": 0}),
+    "rime-alpha1": Variant(
+        "RIME with alpha 1 (its code's default config): a more lenient trust threshold", {"robust_labels": "rime", "rime_alpha": 1.0}
+    ),
 }
 
 # The teacher's noise (sac_rlhf.Args' B-Pref flags): `oracle`, `mistake<eps>` (--teacher-eps-mistake), `beta<b>` (--teacher-beta)

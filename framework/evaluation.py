@@ -8,8 +8,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from cleanrlhf_utils.checkpoints import checkpoint_file, load_checkpoint
+from cleanrlhf_utils.cli import cli
 from cleanrlhf_utils.envs import check_env_id
-from cleanrlhf_utils.runs import ConfigError, checkpoint_file, cli, evaluate_episodes, load_checkpoint, set_torch_threads, success_rate
+from cleanrlhf_utils.errors import ConfigError
+from cleanrlhf_utils.evaluate import evaluate_episodes, success_rate
+from cleanrlhf_utils.training import set_torch_threads
 from sac_rlhf import Actor, make_env
 
 

@@ -31,7 +31,27 @@ import torch.nn.functional as F
 
 from cleanrlhf_utils import envs as cleanrlhf_envs
 from cleanrlhf_utils.buffers import ReplayBuffer
+from cleanrlhf_utils.checkpoints import (
+    CheckpointArgs,
+    checkpoint_file,
+    earlier_wall_seconds,
+    load_checkpoint,
+    load_training_state,
+    save_checkpoint,
+    training_state,
+    validate_checkpoint_args,
+)
+from cleanrlhf_utils.cli import RunInterrupted, cli
 from cleanrlhf_utils.envs import capture_env_state, check_can_render, check_env_id, get_physics_state, physics_state_size, restore_env_state
+from cleanrlhf_utils.errors import (
+    ConfigError,  # noqa: F401 (callers catch pref_ppo.ConfigError)
+    need,
+    need_flag,
+)
+from cleanrlhf_utils.evaluate import (
+    evaluate_and_log,
+    evaluate_policy,  # noqa: F401 (evaluation of a PPOPolicy: pref_ppo.evaluate_policy)
+)
 from cleanrlhf_utils.feedback import (
     FeedbackArgs,
     FeedbackSession,
@@ -40,35 +60,20 @@ from cleanrlhf_utils.feedback import (
     LabelLog,
     connect_human_teacher,
     record_labels,
+    validate_feedback_args,
 )
-from cleanrlhf_utils.runs import (
-    CheckpointArgs,
-    ConfigError,  # noqa: F401 (callers catch pref_ppo.ConfigError)
-    RunInterrupted,
-    RunningMoments,
+from cleanrlhf_utils.tracking import (
     announce_run,
-    checkpoint_file,
-    cli,
-    crossed,
     default_run_name,
-    earlier_wall_seconds,
-    evaluate_and_log,
-    evaluate_policy,  # noqa: F401 (evaluation of a PPOPolicy: pref_ppo.evaluate_policy)
-    load_checkpoint,
-    load_training_state,
     log_feedback_session,
-    need,
     progress_bar,
     public_settings,
     run_summary,
-    save_checkpoint,
-    seed_everything,
     start_logging,
     stop_logging,
-    training_state,
-    validate_preference_args,
     write_summary,
 )
+from cleanrlhf_utils.training import RunningMoments, crossed, seed_everything
 
 
 @dataclass
@@ -296,6 +301,53 @@ class PreferenceArgs:
     rime_warm_start_steps: int = 1000
     """`rime`: Adam steps (256 transitions per member each) fitting the reward model to the k-NN state-entropy reward
     of the replay buffer before the first session's labels train it (0: no warm start)"""
+
+
+def validate_preference_args(args) -> None:
+    """The settings of preference learning (the PreferenceArgs both algorithm scripts carry), the teacher's and
+    the checkpoints'."""
+    at_least = {
+        "buffer_size": 1, "teacher_feedback_total_queries": 0, "teacher_feedback_num_queries_per_session": 1,
+        "teacher_feedback_frequency": 1, "segment_length": 2, "preference_sampling_pool_factor": 1, "reward_ensemble_size": 1,
+        "relabel_chunk_size": 1, "unlabeled_batch_ratio": 0, "explore_knn_k": 1, "heldout_fresh_pairs": 1,
+        "qpa_query_episodes": 0, "qpa_augmentations": 0,
+    }  # fmt: skip
+    for name, low in at_least.items():
+        need_flag(args, name, lambda value, low=low: value >= low, f">= {low}")
+    need_flag(args, "teacher_feedback_exponential_decay", lambda value: 0 < value <= 1, "in (0, 1]")
+    for name in ("reward_net_dropout", "reward_net_heldout_fraction"):
+        need_flag(args, name, lambda value: 0 <= value < 1, "in [0, 1)")
+    for name in ("teacher_eps_mistake", "teacher_eps_skip", "teacher_eps_equal", "teacher_gamma"):
+        need_flag(args, name, lambda value: 0 <= value <= 1, "in [0, 1]")
+    need_flag(args, "surf_tau", lambda value: 0.5 < value < 1, "in (0.5, 1)")
+    need_flag(args, "qpa_hybrid_ratio", lambda value: 0 <= value <= 1, "in [0, 1]")
+    need_flag(args, "robust_label_epsilon", lambda value: 0 <= value < 0.5, "in [0, 0.5)")
+    need_flag(args, "rime_flip_tau", lambda value: 0 < value < 0.5, "in (0, 0.5)")
+    for name in ("rime_alpha", "rime_beta_min", "rime_warm_start_steps"):
+        need_flag(args, name, lambda value: value >= 0, ">= 0")
+    need_flag(args, "rime_beta_decay_epochs", lambda value: value >= 1, ">= 1")
+    need(
+        args.rime_beta_min <= args.rime_beta_max,
+        f"--rime-beta-min ({args.rime_beta_min}) must be <= --rime-beta-max ({args.rime_beta_max})",
+    )
+    need(
+        args.qpa_hybrid_ratio == 0 or args.qpa_query_episodes > 0,
+        f"--qpa-hybrid-ratio {args.qpa_hybrid_ratio} needs --qpa-query-episodes N (the episodes it replays), got 0",
+    )
+    need(
+        0 <= args.min_augmentation_offset <= args.max_augmentation_offset,
+        f"--min-augmentation-offset ({args.min_augmentation_offset}) must be >= 0 and <= --max-augmentation-offset ({args.max_augmentation_offset})",
+    )
+    need(
+        args.max_augmentation_offset < args.segment_length,
+        f"--max-augmentation-offset ({args.max_augmentation_offset}) must be smaller than --segment-length ({args.segment_length})",
+    )
+    need(
+        args.rune_beta >= 0 and 0 <= args.rune_beta_decay < 1,
+        f"--rune-beta must be >= 0 and --rune-beta-decay in [0, 1), got {args.rune_beta} and {args.rune_beta_decay}",
+    )
+    validate_feedback_args(args)
+    validate_checkpoint_args(args)
 
 
 @dataclass

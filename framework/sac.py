@@ -11,20 +11,12 @@ import numpy as np
 import torch
 
 from cleanrlhf_utils.buffers import ReplayBuffer
+from cleanrlhf_utils.checkpoints import save_checkpoint
+from cleanrlhf_utils.cli import cli
 from cleanrlhf_utils.envs import get_physics_state, physics_state_size
-from cleanrlhf_utils.runs import (
-    announce_run,
-    cli,
-    default_run_name,
-    evaluate_and_log,
-    progress_bar,
-    save_checkpoint,
-    seed_everything,
-    start_logging,
-    stop_logging,
-    success_summary,
-    write_summary,
-)
+from cleanrlhf_utils.evaluate import evaluate_and_log, success_summary
+from cleanrlhf_utils.tracking import announce_run, default_run_name, progress_bar, start_logging, stop_logging, write_summary
+from cleanrlhf_utils.training import seed_everything
 from sac_rlhf import SACAgent, SACArgs, make_env, validate_sac_args
 
 

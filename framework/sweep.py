@@ -32,7 +32,9 @@ from typing import Any, Literal
 import yaml
 
 from cleanrlhf_utils.arguments import parse_args
-from cleanrlhf_utils.runs import ConfigError, human_sized_defaults, public_settings
+from cleanrlhf_utils.cli import human_sized_defaults
+from cleanrlhf_utils.errors import ConfigError
+from cleanrlhf_utils.tracking import public_settings
 
 
 @dataclass

@@ -43,7 +43,7 @@ def test_an_autostarted_server_gets_the_token_outside_its_command_line(tmp_path)
 
 def test_run_settings_keep_the_token_key_without_its_value(tmp_path):
     from cleanrlhf_utils.feedback import FeedbackArgs
-    from cleanrlhf_utils.runs import start_logging, stop_logging
+    from cleanrlhf_utils.tracking import start_logging, stop_logging
 
     @dataclass
     class Args(FeedbackArgs):

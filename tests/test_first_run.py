@@ -109,7 +109,7 @@ def test_summary_json_is_strict_json_and_the_toolbox_reads_its_nulls(chdir_tmp):
 
 
 def test_write_summary_keeps_the_dict_and_writes_null_for_any_non_finite_number(tmp_path):
-    from cleanrlhf_utils.runs import write_summary
+    from cleanrlhf_utils.tracking import write_summary
 
     summary = {"a": math.nan, "b": [1.0, math.inf], "c": {"d": -math.inf}, "e": 2.5, "f": None, "g": "x"}
     write_summary(tmp_path, summary)

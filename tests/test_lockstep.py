@@ -17,6 +17,7 @@ FRAMEWORK_DIR = Path(__file__).resolve().parents[1] / "framework"
 # Definitions that must read the same, character for character, in both scripts.
 LOCKSTEP = [
     "PreferenceArgs",
+    "validate_preference_args",
     "EnsembleLinear",
     "ensemble_mlp",
     "RewardEnsemble",

@@ -15,7 +15,8 @@ import pref_ppo
 import sac_rlhf
 import sweep
 from cleanrlhf_utils.envs import SegmentRenderer, get_physics_state, make_env, reached_success, set_physics_state
-from cleanrlhf_utils.runs import ConfigError, EvalReturn, success_rate, success_summary
+from cleanrlhf_utils.errors import ConfigError
+from cleanrlhf_utils.evaluate import EvalReturn, success_rate, success_summary
 
 ENV_ID = "metaworld/door-open-v3"
 WIDTH, HEIGHT = 64, 48

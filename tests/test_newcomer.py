@@ -15,7 +15,7 @@ from pathlib import Path
 import gymnasium as gym
 import pytest
 
-from cleanrlhf_utils.runs import RunInterrupted, command_line_args, resume_command
+from cleanrlhf_utils.cli import RunInterrupted, command_line_args, resume_command
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "toolbox"))

@@ -14,7 +14,8 @@ import torch
 
 import pref_ppo
 import sac_rlhf
-from cleanrlhf_utils.runs import ConfigError, load_training_state, training_state
+from cleanrlhf_utils.checkpoints import load_training_state, training_state
+from cleanrlhf_utils.errors import ConfigError
 
 CPU = torch.device("cpu")
 FRAMEWORK_DIR = Path(__file__).resolve().parents[1] / "framework"

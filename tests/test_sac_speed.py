@@ -13,7 +13,8 @@ import torch.nn.functional as F
 
 import sac
 from cleanrlhf_utils.buffers import PendingRewards, ReplayBuffer
-from cleanrlhf_utils.runs import ConfigError, seed_everything
+from cleanrlhf_utils.errors import ConfigError
+from cleanrlhf_utils.training import seed_everything
 from sac_rlhf import RewardEnsemble, SACAgent, predict_reward_arrays, predict_rewards, relabel_replay_buffer, validate_sac_args
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .runs import ConfigError
+from .errors import ConfigError
 
 
 class ReplayBuffer:

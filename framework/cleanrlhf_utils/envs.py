@@ -12,7 +12,7 @@ from pathlib import Path
 import gymnasium as gym
 import numpy as np
 
-from .runs import ConfigError, need
+from .errors import ConfigError, need
 
 
 def check_env_id(env_id: str) -> None:

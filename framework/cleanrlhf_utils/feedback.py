@@ -20,8 +20,9 @@ from typing import Literal
 import numpy as np
 
 from . import protocol
+from .checkpoints import training_state
 from .envs import SegmentRenderer, check_can_render, segment_frames, write_mp4
-from .runs import need, training_state
+from .errors import need
 
 
 @dataclass

@@ -1,0 +1,101 @@
+"""Checkpoints: the flags that save and resume them, writing them so a kill mid-write loses nothing, and reading a
+run's whole training state back (networks, optimisers, buffers, RNGs) for a bit-exact resume."""
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .errors import need
+
+
+@dataclass
+class CheckpointArgs:
+    """Checkpoints of the preference-learning scripts: periodic, resumable, and the reusable end of exploration."""
+
+    checkpoint_frequency: int = 100_000
+    """environment steps between checkpoints to models/<run>/latest (PrefPPO: checked after each iteration; 0: only
+    at the end)"""
+    resume: str | None = None
+    """continue a run from a checkpoint folder (models/<run>/latest)"""
+    exploration_load: bool = False
+    """skip exploration: load the agent and replay buffer saved after a previous exploration"""
+    path_to_replay_buffer: str | None = None
+    """replay buffer file of an exploration checkpoint (models/<run>/<explore_steps>/replay_buffer.npz)"""
+    path_to_model: str | None = None
+    """model file of an exploration checkpoint (models/<run>/<explore_steps>/checkpoint.pt)"""
+
+
+def validate_checkpoint_args(args: CheckpointArgs) -> None:
+    """--checkpoint-frequency, --resume and --exploration-load of the preference-learning scripts."""
+    need(args.checkpoint_frequency >= 0, f"--checkpoint-frequency must be >= 0, got {args.checkpoint_frequency}")
+    if args.exploration_load:
+        for flag, path in (("--path-to-replay-buffer", args.path_to_replay_buffer), ("--path-to-model", args.path_to_model)):
+            need(path is not None, f"--exploration-load needs {flag}")
+            need(Path(path).is_file(), f"{flag} {path} does not exist")
+    if args.resume is not None:
+        need((Path(args.resume) / "checkpoint.pt").is_file(), f"--resume {args.resume}: no checkpoint.pt in that folder")
+
+
+def save_checkpoint(folder: Path, state: dict, rb=None) -> None:
+    """checkpoint.pt (networks, optimisers, buffers of labels, RNGs, counters) + replay_buffer.npz, each
+    written to a temporary name first so that a kill mid-write leaves the previous checkpoint intact."""
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / "checkpoint.pt.tmp"
+    torch.save(state, tmp)
+    if rb is not None:
+        rb.save(folder / "replay_buffer.npz")
+    os.replace(tmp, folder / "checkpoint.pt")
+
+
+def checkpoint_file(path: str | Path) -> Path:
+    """--path-to-model: a checkpoint.pt, or the folder holding it (models/<run>/latest)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "checkpoint.pt"
+    need(path.is_file(), f"--path-to-model {path} does not exist")
+    return path
+
+
+def load_checkpoint(path: str | Path) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def load_optimizer(optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """An optimizer's saved state, stepped with this run's kernel: a checkpoint's own settings (an older checkpoint's,
+    or one from a run with other --compile/--cudagraphs) would replace it, or clash with it."""
+    kernel = [{key: group[key] for key in ("foreach", "fused", "capturable")} for group in optimizer.param_groups]
+    optimizer.load_state_dict(state)
+    for group, settings in zip(optimizer.param_groups, kernel):
+        group.update(settings)
+        if settings["fused"] or settings["capturable"]:  # these kernels keep the step count beside the parameter
+            for param in group["params"]:
+                param_state = optimizer.state.get(param, {})
+                if "step" in param_state:
+                    param_state["step"] = param_state["step"].to(device=param.device, dtype=torch.float32)
+
+
+def training_state(parts: dict, rng: np.random.Generator) -> dict:
+    """What a checkpoint carries besides the replay buffer and the env: each part's state_dict() (networks,
+    optimisers, buffers, normalisers, teacher), numpy's and torch's RNG."""
+    state = {name: part.state_dict() for name, part in parts.items()}
+    return state | {"rng": rng.bit_generator.state, "torch_rng": torch.get_rng_state()}
+
+
+def load_training_state(parts: dict, rng: np.random.Generator, state: dict) -> None:
+    for name, part in parts.items():
+        if name == "session" and name not in state:  # a checkpoint from before sessions were saved: none was open
+            continue
+        if name == "label_filter" and name not in state:  # --robust-labels rime loading another run's exploration: fresh
+            continue
+        part.load_state_dict(state[name])
+    rng.bit_generator.state = state["rng"]
+    torch.set_rng_state(state["torch_rng"])
+
+
+def earlier_wall_seconds(resume_state: dict | None) -> float:
+    """The training seconds a run spent before the checkpoint it resumes from (0: a fresh run, or a checkpoint from
+    before checkpoints kept them)."""
+    return float(resume_state.get("wall_seconds", 0.0)) if resume_state else 0.0

@@ -1,0 +1,89 @@
+"""`python script.py --flags`: the command line read into the script's Args (one-line errors, human-sized label
+defaults in human mode), the run started, and its failures turned into exit codes and a resume command."""
+
+import shlex
+import shutil
+import sys
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+from .arguments import given_fields, parse_args
+from .errors import ConfigError
+from .feedback import FeedbackServerError
+from .tracking import SECRET_ARGS
+
+HUMAN_LABEL_DEFAULTS = {"teacher_feedback_total_queries": 100, "teacher_feedback_num_queries_per_session": 10}
+"""The label budget of --teacher-feedback-mode human where the command line sets none: 100 labels in 10 sessions, 22
+pairs in the first under the default exponential schedule (a few minutes of a person's time, at a few seconds a pair),
+instead of the synthetic teacher's 1000 in sessions from 224 pairs down; the human sweep (sweep_config/human.yaml)
+uses the same budget."""
+
+
+def human_sized_defaults(args, given: set[str], schedule: Callable | None = None):
+    """`args` with HUMAN_LABEL_DEFAULTS for each budget flag the command line did not set, in human mode (else `args`
+    itself), saying so in one line. `schedule`: the script's feedback_schedule, to say what the first session asks."""
+    if getattr(args, "teacher_feedback_mode", None) != "human":
+        return args
+    applied = {name: value for name, value in HUMAN_LABEL_DEFAULTS.items() if name not in given}
+    if not applied:
+        return args
+    args = replace(args, **applied)
+    flags = " ".join(f"--{name.replace('_', '-')} {value}" for name, value in applied.items())
+    total, per_session = args.teacher_feedback_total_queries, args.teacher_feedback_num_queries_per_session
+    sessions = schedule(total, per_session, args.teacher_feedback_schedule, args.teacher_feedback_exponential_decay) if schedule else []
+    plan = f"{sum(sessions)} labels over {len(sessions)} sessions, {sessions[0]} in the first" if sessions else f"{total} labels"
+    print(f"human mode: {plan} (human-sized defaults {flags}; give these flags to choose otherwise)")
+    return args
+
+
+def command_line_args(args_class: type, argv: list[str] | None = None):
+    """The settings a command line (default: sys.argv[1:]) asks for: tyro's parse (its errors as one line), then, in
+    human mode, human-sized defaults for the label budget flags it does not set."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(args_class, argv)
+    schedule = getattr(sys.modules.get(args_class.__module__), "feedback_schedule", None)
+    return human_sized_defaults(args, given_fields(argv, args_class), schedule)
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """Ctrl-C, after the run saved what --resume continues from (`checkpoint`: models/<run>/latest)."""
+
+    def __init__(self, checkpoint: Path):
+        super().__init__(str(checkpoint))
+        self.checkpoint = checkpoint
+
+
+def resume_command(argv: list[str], checkpoint: Path) -> str:
+    """The command line that continues an interrupted run: this one (script, flags) with --resume <checkpoint> in place
+    of any earlier --resume, run from the same folder. Secret settings are left out (the line is printed, and may be
+    logged): the run takes them from their environment variable instead (--feedback-server-token: FEEDBACK_SERVER_TOKEN)."""
+    dropped = {"--resume", *(f"--{name.replace('_', '-')}" for name in SECRET_ARGS)}
+    flags, skip = [], False
+    for token in argv[1:]:
+        if skip or token in dropped or token.split("=", 1)[0] in dropped:
+            skip = token in dropped
+            continue
+        flags.append(token)
+    on_path = shutil.which("python")  # `python` where it is this interpreter (an activated venv), else its full path
+    python = "python" if on_path and Path(on_path).resolve() == Path(sys.executable).resolve() else sys.executable
+    return shlex.join([python, argv[0], *flags, "--resume", str(checkpoint)])
+
+
+def cli(args_class: type, main: Callable) -> None:
+    """`python script.py --flags`: parse into args_class with tyro, run main, and map failures to exit codes:
+    bad input 2 (one line on stderr, tyro's parse errors included), an unreachable or refusing feedback server 1,
+    Ctrl-C 130."""
+    args = command_line_args(args_class)
+    try:
+        main(args)
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
+    except FeedbackServerError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt as interrupt:
+        if isinstance(interrupt, RunInterrupted):  # the run saved its checkpoint: say how to continue it
+            print(f"to resume: {resume_command(sys.argv, interrupt.checkpoint)}", flush=True)
+        sys.exit(130)

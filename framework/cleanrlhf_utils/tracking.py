@@ -1,0 +1,121 @@
+"""What a run says about itself: its name and start-up line, its settings (secrets as null), TensorBoard and W&B,
+the progress bar, the feedback sessions' scalars, and runs/<run>/summary.json."""
+
+import json
+import math
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from .evaluate import success_summary
+
+
+def default_run_name(args) -> str:
+    return f"{args.env_id.replace('/', '_')}__{args.exp_name}__{args.seed}__{int(time.time())}"
+
+
+SECRET_ARGS = ("feedback_server_token",)
+"""settings written as null wherever settings are stored (args.json, TensorBoard's hyperparameters, the W&B config,
+checkpoints, sweep trials): the key stays, the value never leaves the process"""
+
+
+def public_settings(args) -> dict:
+    """asdict(args) with SECRET_ARGS as null: what may be written to a file, a log or a tracking service."""
+    return {key: None if key in SECRET_ARGS else value for key, value in asdict(args).items()}
+
+
+def start_logging(args, run_name: str, run_dir: Path):
+    """TensorBoard (plus W&B with --track) for a run; its settings also go to runs/<run>/args.json (SECRET_ARGS as null)."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    settings = public_settings(args)
+    if args.track:
+        import wandb
+
+        wandb.init(
+            project=args.wandb_project_name,
+            entity=args.wandb_entity,
+            sync_tensorboard=True,
+            config=settings,
+            name=run_name,
+            save_code=True,
+            dir=str(run_dir),
+        )
+    writer = SummaryWriter(str(run_dir))
+    table = "\n".join(f"|{key}|{value}|" for key, value in settings.items())
+    writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
+    (run_dir / "args.json").write_text(json.dumps(settings, indent=2))
+    return writer
+
+
+def stop_logging(args, writer) -> None:
+    writer.close()
+    if args.track:
+        import wandb
+
+        wandb.finish()
+
+
+def announce_run(run_name: str, args) -> None:
+    """The start-up line: the run's name and where its outputs go (videos: evaluation videos with --capture-video, the
+    clips people compare in human mode)."""
+    places = [f"logs and summary in runs/{run_name}", f"checkpoints in models/{run_name}"]
+    if getattr(args, "capture_video", False) or getattr(args, "teacher_feedback_mode", None) == "human":
+        places.append(f"videos in videos/{run_name}")
+    print(f"run {run_name}: {', '.join(places)}", flush=True)
+
+
+def progress_bar(args, total: int, initial: int = 0):
+    """A tqdm bar over environment steps, or None with --no-progress-bar."""
+    if not args.progress_bar:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)
+
+
+def log_feedback_session(writer, loop, session, reward_stats: dict, metrics: dict) -> None:
+    """TensorBoard scalars of a reward update from a feedback session (cleanrlhf_utils.feedback.FeedbackSession): labels
+    so far, seconds from the pairs' selection to now, seconds the trainer waited for people in this session and people
+    for the trainer in all (human mode), the reward update, the reward model's metrics."""
+    step = loop.global_step
+    counts = {"labels_obtained": loop.labels_obtained, "queries_skipped": loop.queries_skipped, "sessions": loop.sessions_done}
+    seconds = {"session_seconds": time.time() - session.opened_at, "trainer_idle_seconds": session.session_trainer_idle}
+    for name, value in (counts | seconds | {"people_idle_seconds": session.people_idle}).items():
+        writer.add_scalar(f"feedback/{name}", value, step)
+    for name, value in (reward_stats | metrics).items():
+        writer.add_scalar(f"reward_model/{name}", value, step)
+
+
+def run_summary(
+    run_name: str, args, loop, metrics: dict, wall: float, start_step: int, interrupted: bool, earlier_wall: float = 0.0
+) -> dict:
+    """runs/<run>/summary.json of a preference-learning run (sweeps and the toolbox read it). `wall`: this process's
+    training seconds; `earlier_wall`: those of the processes before it (a resumed run's checkpoint keeps them), so
+    wall_seconds is the whole run's; sps is this process's (its steps over its seconds)."""
+    return {
+        "run_name": run_name, "env_id": args.env_id, "teacher_feedback_mode": args.teacher_feedback_mode,
+        "global_step": loop.global_step, "final_eval_return": float(loop.last_eval_return), **success_summary(loop.last_eval_return),
+        "labels_obtained": loop.labels_obtained, "queries_skipped": loop.queries_skipped, "feedback_sessions": loop.sessions_done,
+        **metrics, "wall_seconds": earlier_wall + wall, "sps": (loop.global_step - start_step) / wall, "interrupted": interrupted,
+    }  # fmt: skip
+
+
+def strict_json_value(value):
+    """`value` with every NaN or infinite float (a metric that had nothing to measure: no evaluation yet, no
+    held-out label) replaced by None, recursively, so that it serialises as strict JSON (`null`, not `NaN`)."""
+    if isinstance(value, dict):
+        return {key: strict_json_value(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [strict_json_value(item) for item in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def write_summary(run_dir: Path, summary: dict) -> None:
+    """runs/<run>/summary.json, strict JSON that any reader accepts: a NaN or infinite metric is written as `null`.
+    The dict itself is left as it is (a sweep reads the NaN from the dict main returns)."""
+    text = json.dumps(strict_json_value(summary), indent=2, allow_nan=False)
+    (run_dir / "summary.json").write_text(text + "\n")

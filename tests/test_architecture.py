@@ -1,0 +1,79 @@
+"""The layout rules a maintainer relies on: no import cycle inside cleanrlhf_utils (function-local imports count), every
+module importable first, on its own; bench/ and toolbox/ import the project as installed code, never by editing
+sys.path."""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE = REPO / "framework" / "cleanrlhf_utils"
+MODULES = sorted(path.stem for path in PACKAGE.glob("*.py") if path.stem != "__init__")
+
+
+def package_imports(path: Path) -> set[str]:
+    """The cleanrlhf_utils modules a module imports, anywhere in it (a function-local import is still an edge)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level == 1:  # from .x import y / from . import x
+                found |= {node.module} if node.module else {alias.name for alias in node.names}
+            elif node.module == "cleanrlhf_utils":
+                found |= {alias.name for alias in node.names}
+            elif node.module and node.module.startswith("cleanrlhf_utils."):
+                found.add(node.module.split(".")[1])
+        elif isinstance(node, ast.Import):
+            found |= {alias.name.split(".")[1] for alias in node.names if alias.name.startswith("cleanrlhf_utils.")}
+    return {name.split(".")[0] for name in found} & set(MODULES)
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """A cycle of the graph as [a, b, ..., a], or None."""
+    state: dict[str, str] = {}
+
+    def visit(node: str, path: list[str]) -> list[str] | None:
+        state[node] = "open"
+        for successor in sorted(graph[node]):
+            if state.get(successor) == "open":
+                return path[path.index(successor) :] + [successor] if successor in path else [node, successor]
+            if successor not in state and (cycle := visit(successor, [*path, successor])):
+                return cycle
+        state[node] = "done"
+        return None
+
+    for start in sorted(graph):
+        if start not in state and (cycle := visit(start, [start])):
+            return cycle
+    return None
+
+
+def test_the_cycle_finder_finds_a_planted_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+
+
+def test_no_import_cycle_inside_the_package():
+    graph = {module: package_imports(PACKAGE / f"{module}.py") for module in MODULES}
+    assert all(graph[module] <= set(MODULES) for module in graph)
+    assert graph["cli"] >= {"arguments", "feedback"}, "the scanner sees the package's imports"
+    assert find_cycle(graph) is None, f"import cycle: {' -> '.join(find_cycle(graph))}"
+
+
+def test_every_module_imports_first_and_alone():
+    """Each module as the first thing a fresh interpreter imports (what `python -c 'import cleanrlhf_utils.x'` does):
+    an order-dependent import would fail for one of them."""
+    processes = {
+        module: subprocess.Popen([sys.executable, "-c", f"import cleanrlhf_utils.{module}"], stderr=subprocess.PIPE, text=True)
+        for module in MODULES
+    }
+    failures = {module: process.communicate(timeout=120)[1].strip().splitlines()[-1:] for module, process in processes.items()}
+    assert {module: error for module, error in failures.items() if processes[module].returncode} == {}
+
+
+@pytest.mark.parametrize("folder", ["bench", "toolbox"])
+def test_bench_and_toolbox_do_not_edit_sys_path(folder):
+    for path in sorted((REPO / folder).glob("*.py")):
+        assert "sys.path" not in path.read_text(), f"{path.relative_to(REPO)} edits sys.path; import the installed project"
