@@ -56,8 +56,8 @@ from cleanrlhf_utils.feedback import (
     FeedbackArgs,
     FeedbackSession,
     FileTeacher,
-    HumanTeacher,
     LabelLog,
+    Teacher,
     connect_human_teacher,
     record_labels,
     validate_feedback_args,
@@ -1044,7 +1044,7 @@ def select_queries(
 
 
 # --- Teachers: synthetic (B-Pref, Lee et al. 2021), people in the browser, or an earlier run's labels ---
-class SyntheticTeacher:
+class SyntheticTeacher(Teacher):
     """Labels pairs from the true reward, with B-Pref's irrationalities. Its own seeded RNG. With a replay
     buffer, the skip and tie thresholds follow its average true reward, as B-Pref's do."""
 
@@ -1097,9 +1097,6 @@ class SyntheticTeacher:
     def load_state_dict(self, state: dict) -> None:
         self.rng.bit_generator.state = state["rng"]
 
-    def close(self) -> None:
-        pass
-
 
 def make_teacher(args: Args, rb: ReplayBuffer, run_name: str, run_dir: Path, video_dir: Path):
     """The one place the feedback mode is read. Every teacher answers label(segments, session) -> (labels,
@@ -1115,12 +1112,12 @@ def make_teacher(args: Args, rb: ReplayBuffer, run_name: str, run_dir: Path, vid
 def show_reward_model(teacher, model: RewardEnsemble, rb: ReplayBuffer, args: Args, rng: np.random.Generator, device, step: int) -> None:
     """Human mode: a few clips with the reward model's predicted return, which people see ranked on the page's
     reward view and can compare with their own ranking."""
-    if not isinstance(teacher, HumanTeacher) or args.feedback_check_clips == 0:
+    if not teacher.people_answer or args.feedback_check_clips == 0:
         return
     idx, mask = rb.sample_segment_pairs(args.feedback_check_clips, args.segment_length, rng)
     idx, mask = idx[:, 0], mask[:, 0]
     mean, _ = predict_rewards(model, torch.as_tensor(rb.obs_actions(idx), device=device))
-    teacher.upload_reward_check(rb.physics_states[idx], mask, (mean.cpu().numpy() * mask).sum(-1), step)
+    teacher.show_reward_check(rb.physics_states[idx], mask, (mean.cpu().numpy() * mask).sum(-1), step)
 
 
 # --- Feedback schedule ---
@@ -1607,7 +1604,7 @@ def main(args: Args, on_evaluation: Callable[[int, float], None] | None = None) 
                 rollout_start = loop.global_step
                 obs, finished = collect_rollout(envs, agent, obs_rms, rollout, obs, episodes, device)
                 loop.global_step += batch_size
-                HumanTeacher.tell_progress(teacher, loop, len(schedule))  # the page's news between sessions: best effort, never waits
+                teacher.training_progress(loop.global_step, loop.sessions_done, len(schedule))  # the page's news: best effort, never waits
                 loop.iteration += 1
                 step = loop.global_step
                 for t, _, episode_return, episode_length in finished:
@@ -1678,7 +1675,7 @@ def main(args: Args, on_evaluation: Callable[[int, float], None] | None = None) 
                     loop.last_eval_return = evaluate_and_log(
                         PPOPolicy(agent, obs_rms), args, writer, video_dir, device, step, on_evaluation
                     )
-                human_session = session_ended and args.teacher_feedback_mode == "human"  # people's labels: what a killed run must not lose
+                human_session = session_ended and teacher.people_answer  # people's labels: what a killed run must not lose
                 if (crossed(args.checkpoint_frequency, step - batch_size, step) or human_session) and loop.iteration < num_iterations:
                     save_checkpoint(model_dir / "latest", checkpoint_state(), rb)
         except KeyboardInterrupt:

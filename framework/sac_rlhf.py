@@ -51,8 +51,8 @@ from cleanrlhf_utils.feedback import (
     FeedbackArgs,
     FeedbackSession,
     FileTeacher,
-    HumanTeacher,
     LabelLog,
+    Teacher,
     connect_human_teacher,
     record_labels,
     validate_feedback_args,
@@ -793,7 +793,7 @@ def select_queries(
 
 
 # --- Teachers: synthetic (B-Pref, Lee et al. 2021), people in the browser, or an earlier run's labels ---
-class SyntheticTeacher:
+class SyntheticTeacher(Teacher):
     """Labels pairs from the true reward, with B-Pref's irrationalities. Its own seeded RNG. With a replay
     buffer, the skip and tie thresholds follow its average true reward, as B-Pref's do."""
 
@@ -846,9 +846,6 @@ class SyntheticTeacher:
     def load_state_dict(self, state: dict) -> None:
         self.rng.bit_generator.state = state["rng"]
 
-    def close(self) -> None:
-        pass
-
 
 def make_teacher(args: Args, rb: ReplayBuffer, run_name: str, run_dir: Path, video_dir: Path):
     """The one place the feedback mode is read. Every teacher answers label(segments, session) -> (labels,
@@ -864,12 +861,12 @@ def make_teacher(args: Args, rb: ReplayBuffer, run_name: str, run_dir: Path, vid
 def show_reward_model(teacher, model: RewardEnsemble, rb: ReplayBuffer, args: Args, rng: np.random.Generator, device, step: int) -> None:
     """Human mode: a few clips with the reward model's predicted return, which people see ranked on the page's
     reward view and can compare with their own ranking."""
-    if not isinstance(teacher, HumanTeacher) or args.feedback_check_clips == 0:
+    if not teacher.people_answer or args.feedback_check_clips == 0:
         return
     idx, mask = rb.sample_segment_pairs(args.feedback_check_clips, args.segment_length, rng)
     idx, mask = idx[:, 0], mask[:, 0]
     mean, _ = predict_rewards(model, torch.as_tensor(rb.obs_actions(idx), device=device))
-    teacher.upload_reward_check(rb.physics_states[idx], mask, (mean.cpu().numpy() * mask).sum(-1), step)
+    teacher.show_reward_check(rb.physics_states[idx], mask, (mean.cpu().numpy() * mask).sum(-1), step)
 
 
 # --- Feedback schedule ---
@@ -1299,7 +1296,7 @@ def main(args: Args, on_evaluation: Callable[[int, float], None] | None = None) 
                         show_reward_model(teacher, reward_model, rb, args, rng, device, step)
                         metrics = reward_model_metrics(reward_model, prefs, rb, args, teacher.labels_are_free, loop.global_step, device)
                         log_feedback_session(writer, loop, session, reward_stats, metrics)
-                    if args.teacher_feedback_mode == "human":
+                    if teacher.people_answer:
                         checkpoint(model_dir / "latest")  # people's labels are what a killed run must not lose
                 exploring = not loop.learning_from_preferences
 
@@ -1318,7 +1315,7 @@ def main(args: Args, on_evaluation: Callable[[int, float], None] | None = None) 
                     track_episode(loop, rewards[0], terminations[0] or truncations[0], writer, progress, step)
                 obs = next_obs
                 loop.global_step += 1
-                HumanTeacher.tell_progress(teacher, loop, len(schedule))  # the page's news between sessions: best effort, never waits
+                teacher.training_progress(loop.global_step, loop.sessions_done, len(schedule))  # the page's news: best effort, never waits
 
                 # --- learn: SAC on the state-entropy reward while exploring, then on the learned reward (+ RUNE) ---
                 if step >= args.learning_starts and (args.unsupervised_exploration or not exploring):

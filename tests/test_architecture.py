@@ -77,3 +77,22 @@ def test_every_module_imports_first_and_alone():
 def test_bench_and_toolbox_do_not_edit_sys_path(folder):
     for path in sorted((REPO / folder).glob("*.py")):
         assert "sys.path" not in path.read_text(), f"{path.relative_to(REPO)} edits sys.path; import the installed project"
+
+
+def test_the_training_loop_never_asks_which_teacher_it_has():
+    """One Teacher interface: only the teachers' own module names HumanTeacher, and in the algorithm scripts only
+    make_teacher reads the feedback mode (main asks the teacher what it needs: people_answer, labels_are_free)."""
+    import inspect
+
+    import pref_ppo
+    import sac_rlhf
+
+    for path in [*sorted((REPO / "framework").rglob("*.py")), *sorted((REPO / "bench").glob("*.py"))]:
+        if path.name != "feedback.py":
+            assert "isinstance(teacher" not in path.read_text(), path
+    for script in (sac_rlhf, pref_ppo):
+        assert "HumanTeacher" not in inspect.getsource(script), script.__name__
+        for name, value in vars(script).items():
+            if inspect.isfunction(value) and value.__module__ == script.__name__ and name != "make_teacher":
+                assert "teacher_feedback_mode" not in inspect.getsource(value), f"{script.__name__}.{name} reads the feedback mode"
+        assert "teacher_feedback_mode" in inspect.getsource(script.make_teacher)

@@ -40,8 +40,7 @@ def test_trainer_reports_its_progress_rate_limited_and_never_waits_for_an_absent
         teacher = HumanTeacher(client, run_id, renderer=None, clip_dir=tmp_path, fps=30)
         teacher.total_steps, teacher.first_session_step, teacher.session_frequency = 100_000, 10_000, 5_000
         loop = SimpleNamespace(global_step=12_000, sessions_done=1)
-        HumanTeacher.tell_progress(None, loop, 5)  # any other teacher: nothing happens
-        HumanTeacher.tell_progress(teacher, loop, 5)
+        teacher.training_progress(loop.global_step, loop.sessions_done, 5)
         progress = wait_for(lambda: requests.get(f"{url}/api/runs/{run_id}/progress", timeout=5).json()["progress"])
         assert (progress["step"], progress["phase"], progress["total_steps"]) == (12_000, "training", 100_000)
         assert (progress["sessions_done"], progress["sessions_total"], progress["next_session_step"]) == (1, 5, 15_000)
@@ -49,11 +48,11 @@ def test_trainer_reports_its_progress_rate_limited_and_never_waits_for_an_absent
         teacher.reporter.join(timeout=5)
 
         loop.global_step = 12_500  # within progress_seconds: not sent
-        HumanTeacher.tell_progress(teacher, loop, 5)
+        teacher.training_progress(loop.global_step, loop.sessions_done, 5)
         assert teacher.reporter.is_alive() is False
         assert requests.get(f"{url}/api/runs/{run_id}/progress", timeout=5).json()["progress"]["step"] == 12_000
         teacher.next_report = 0.0  # the next one is due: now with a measured speed and an estimate of the next session
-        HumanTeacher.tell_progress(teacher, loop, 5)
+        teacher.training_progress(loop.global_step, loop.sessions_done, 5)
         teacher.reporter.join(timeout=5)
         progress = requests.get(f"{url}/api/runs/{run_id}/progress", timeout=5).json()["progress"]
         assert progress["step"] == 12_500 and progress["steps_per_second"] > 0
@@ -67,7 +66,7 @@ def test_trainer_reports_its_progress_rate_limited_and_never_waits_for_an_absent
     start = time.perf_counter()
     for step in range(1_000_000):
         loop.global_step = step
-        HumanTeacher.tell_progress(teacher, loop, 5)
+        teacher.training_progress(loop.global_step, loop.sessions_done, 5)
     elapsed = time.perf_counter() - start
     assert elapsed < 5.0, elapsed  # about 1 µs a step here, against milliseconds for a SAC update
     teacher.reporter.join(timeout=5)

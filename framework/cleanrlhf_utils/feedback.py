@@ -15,7 +15,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Protocol
 
 import numpy as np
 
@@ -228,13 +228,48 @@ class SessionInterrupted(KeyboardInterrupt):
         self.labels, self.annotators = labels, annotators
 
 
-class HumanTeacher:
+class Teacher(Protocol):
+    """Whoever labels a run's pairs: the synthetic teacher (in each algorithm script), people (HumanTeacher) or an
+    earlier run's labels (FileTeacher). `make_teacher` in each script is the one place that picks one, by
+    --teacher-feedback-mode; the training loop only ever talks to this interface. A teacher subclasses it to take the
+    defaults of what it does not need (progress reports, closing)."""
+
+    labels_are_free: bool
+    """asking costs nothing (the synthetic teacher): held-out accuracy is measured on fresh pairs, not on the budget"""
+    people_answer: bool = False
+    """the labels come from people: the time the trainer waits for them is measured, each session is checkpointed as
+    soon as its labels are in (a killed run must not lose people's work), and they are shown the reward model's ranking"""
+
+    def label(self, segments: dict, session: int) -> tuple[np.ndarray, list[str]]:
+        """Labels of the pairs in `segments` (N,): 1 = segment 1 preferred, 0 = segment 0, 0.5 = tie, nan = skipped;
+        and who gave each."""
+        ...
+
+    def training_progress(self, step: int, sessions_done: int, sessions_total: int) -> None:
+        """Called by the training loop every step: where training is, for a teacher that tells people (best effort,
+        never waits)."""
+
+    def show_reward_check(self, states: np.ndarray, masks: np.ndarray, predicted_returns: np.ndarray, step: int) -> None:
+        """Segments with the reward model's predicted return, for people to compare with their own ranking."""
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class HumanTeacher(Teacher):
     """Asks people: renders each pair from its simulator states and uploads it as soon as it is encoded
     (a background thread stays ahead of the labeller), then waits for every answer of the session (`label`), or
     returns at once and is asked for the answers given so far now and then (`start`, `poll`, `finish`: --feedback-async).
     The open session's query ids and answers are part of its state, so a resumed run asks the same pairs."""
 
     labels_are_free = False  # every label costs a person's time: held-out accuracy costs labels
+    people_answer = True
 
     def __init__(
         self,
@@ -261,14 +296,12 @@ class HumanTeacher:
 
     progress_seconds = 5.0  # the trainer reports its progress to the server at most this often
 
-    @staticmethod
-    def tell_progress(teacher, loop, sessions_total: int) -> None:
-        """The training loop's one call, every step and with any teacher: a HumanTeacher tells the server the step and
-        roughly when the next session comes, so the page can say so between sessions. Costs a clock read per step."""
-        if isinstance(teacher, HumanTeacher):
-            teacher.step, teacher.sessions_done, teacher.sessions_total = loop.global_step, loop.sessions_done, sessions_total
-            if time.monotonic() >= teacher.next_report:
-                teacher.report_progress("training")
+    def training_progress(self, step: int, sessions_done: int, sessions_total: int) -> None:
+        """Tells the server the step and roughly when the next session comes, so the page can say so between
+        sessions. Costs a clock read per step."""
+        self.step, self.sessions_done, self.sessions_total = step, sessions_done, sessions_total
+        if time.monotonic() >= self.next_report:
+            self.report_progress("training")
 
     def report_progress(self, phase: str, **extra) -> None:
         """Best effort and never blocking: the report is posted from a thread, without retries and with a 2 s timeout;
@@ -415,7 +448,7 @@ class HumanTeacher:
                 labels[i], annotators[i] = CHOICE_LABELS[self.answers[qid]["choice"]], self.answers[qid]["annotator"]
         return labels, annotators
 
-    def upload_reward_check(self, states: np.ndarray, masks: np.ndarray, predicted_returns: np.ndarray, step: int) -> None:
+    def show_reward_check(self, states: np.ndarray, masks: np.ndarray, predicted_returns: np.ndarray, step: int) -> None:
         """Clips with the reward model's predicted return, shown ranked on the page's reward view: a person can
         compare the model's ranking with their own (states (N, L, S), masks (N, L))."""
         clips, evaluations = {}, []
@@ -449,7 +482,7 @@ class HumanTeacher:
             self.server_process.wait(timeout=10)
 
 
-class FileTeacher:
+class FileTeacher(Teacher):
     """Replays the labelled pairs of an earlier run's labels.sqlite, in the order they were obtained. It answers
     with its recorded pairs, not with the pairs this run selected: `label` replaces the arrays of `segments` in
     place with the next recorded ones (fewer once the file runs out), so that what is stored matches the labels."""
@@ -472,9 +505,6 @@ class FileTeacher:
 
     def load_state_dict(self, state: dict) -> None:
         self.position = state["position"]
-
-    def close(self) -> None:
-        pass
 
 
 class LabelLog:
@@ -603,7 +633,7 @@ class FeedbackSession:
                 if self.answered.all():
                     teacher.finish()
         finally:
-            if isinstance(teacher, HumanTeacher):  # time the trainer waited for people (other teachers answer at once)
+            if teacher.people_answer:  # time the trainer waited for people (other teachers answer at once)
                 waited = time.time() - waited
                 self.session_trainer_idle, self.trainer_idle = self.session_trainer_idle + waited, self.trainer_idle + waited
         if self.answered.all():
