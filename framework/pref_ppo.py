@@ -42,7 +42,15 @@ from cleanrlhf_utils.checkpoints import (
     validate_checkpoint_args,
 )
 from cleanrlhf_utils.cli import RunInterrupted, cli
-from cleanrlhf_utils.envs import capture_env_state, check_can_render, check_env_id, get_physics_state, physics_state_size, restore_env_state
+from cleanrlhf_utils.envs import (
+    autoreset_pending,
+    capture_env_state,
+    check_can_render,
+    check_env_id,
+    get_physics_state,
+    physics_state_size,
+    restore_env_state,
+)
 from cleanrlhf_utils.errors import (
     ConfigError,  # noqa: F401 (callers catch pref_ppo.ConfigError)
     need,
@@ -696,7 +704,7 @@ def collect_rollout(
         if rollout.physics_states.shape[-1]:
             for i, env in enumerate(envs.envs):
                 rollout.physics_states[t, i] = get_physics_state(env)
-        valid = ~envs._autoreset_envs  # with next-step autoreset, the step after an episode end only resets
+        valid = ~autoreset_pending(envs)  # with next-step autoreset, the step after an episode end only resets
         policy_obs = obs_rms.normalize(obs)
         with torch.no_grad():
             dist = agent.distribution(torch.as_tensor(policy_obs, device=device))

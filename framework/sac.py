@@ -13,7 +13,7 @@ import torch
 from cleanrlhf_utils.buffers import ReplayBuffer
 from cleanrlhf_utils.checkpoints import save_checkpoint
 from cleanrlhf_utils.cli import cli
-from cleanrlhf_utils.envs import get_physics_state, physics_state_size
+from cleanrlhf_utils.envs import autoreset_pending, get_physics_state, physics_state_size
 from cleanrlhf_utils.evaluate import evaluate_and_log, success_summary
 from cleanrlhf_utils.tracking import announce_run, default_run_name, progress_bar, start_logging, stop_logging, write_summary
 from cleanrlhf_utils.training import seed_everything
@@ -59,7 +59,7 @@ def main(args: Args, on_evaluation: Callable[[int, float], None] | None = None) 
             else:
                 actions = agent.act(obs)
             physics_state = get_physics_state(envs.envs[0])
-            autoreset = bool(envs._autoreset_envs[0])
+            autoreset = bool(autoreset_pending(envs)[0])
             next_obs, rewards, terminations, truncations, _ = envs.step(actions)
             if not autoreset:  # next-step autoreset: the reset step is not a transition
                 rb.add(obs[0], next_obs[0], actions[0], rewards[0], terminations[0], episode_id, physics_state)

@@ -40,7 +40,14 @@ from cleanrlhf_utils.checkpoints import (
     validate_checkpoint_args,
 )
 from cleanrlhf_utils.cli import RunInterrupted, cli
-from cleanrlhf_utils.envs import capture_env_state, check_env_id, get_physics_state, physics_state_size, restore_env_state
+from cleanrlhf_utils.envs import (
+    autoreset_pending,
+    capture_env_state,
+    check_env_id,
+    get_physics_state,
+    physics_state_size,
+    restore_env_state,
+)
 from cleanrlhf_utils.errors import (
     ConfigError,  # noqa: F401 (callers catch sac_rlhf.ConfigError)
     need,
@@ -1306,7 +1313,7 @@ def main(args: Args, on_evaluation: Callable[[int, float], None] | None = None) 
                 else:
                     actions = agent.act(obs)
                 physics_state = get_physics_state(envs.envs[0])
-                autoreset = bool(envs._autoreset_envs[0])
+                autoreset = bool(autoreset_pending(envs)[0])
                 next_obs, rewards, terminations, truncations, _ = envs.step(actions)
                 if not autoreset:  # with next-step autoreset, the step after an episode end only resets: never store it
                     rb.add(obs[0], next_obs[0], actions[0], rewards[0], terminations[0], loop.episode_id, physics_state)

@@ -250,3 +250,29 @@ def test_list_envs_reports_pass_and_fail_with_reasons(tmp_path):
     assert written["Swimmer-v5"]["sac_rlhf"] == "pass" and written["Swimmer-v5"]["replay"] == "exact"
     lqr = written["dm_control/lqr-lqr_2_1-v0"]
     assert lqr["sac_rlhf"] == "fail" and "unbounded actions" in lqr["reason"] and lqr["pref_ppo"] == "pass"
+
+
+def test_autoreset_pending_is_the_one_reader_of_gymnasiums_private_flags():
+    """Gymnasium keeps next-step autoreset flags in a private attribute: envs.autoreset_pending is its one reader, and it
+    must follow the vector env (an episode's end raises the flag, the resetting step lowers it)."""
+    import gymnasium as gym
+
+    from cleanrlhf_utils.envs import autoreset_pending
+
+    for path in sorted((REPO_ROOT / "framework").rglob("*.py")) + sorted((REPO_ROOT / "bench").glob("*.py")):
+        if path.name != "envs.py":
+            assert "_autoreset_envs" not in path.read_text(), path
+    envs = gym.vector.SyncVectorEnv([lambda: gym.make("CartPole-v1")], autoreset_mode=gym.vector.AutoresetMode.NEXT_STEP)
+    envs.reset(seed=0)
+    ended = False
+    for _ in range(500):
+        pending_before = bool(autoreset_pending(envs)[0])
+        _, _, terminated, truncated, _ = envs.step(np.array([0]))
+        if pending_before:
+            assert not autoreset_pending(envs)[0] and ended
+            break
+        ended = bool(terminated[0] or truncated[0])
+        assert bool(autoreset_pending(envs)[0]) == ended
+    else:
+        raise AssertionError("CartPole pushed one way never ended its episode")
+    envs.close()

@@ -366,7 +366,14 @@ def capture_env_state(envs: gym.vector.SyncVectorEnv, obs: np.ndarray) -> dict:
         }
         for env in envs.envs
     ]
-    return {"envs": sub_envs, "autoreset": envs._autoreset_envs.copy(), "obs": obs.copy()}  # next-step autoreset flags
+    return {"envs": sub_envs, "autoreset": autoreset_pending(envs).copy(), "obs": obs.copy()}
+
+
+def autoreset_pending(envs: gym.vector.SyncVectorEnv) -> np.ndarray:
+    """Which sub-envs' next step only resets them (next-step autoreset after an episode ended): such a step is no
+    transition to store. Gymnasium keeps these flags in a private attribute and offers no public reader; this function,
+    capture_env_state and restore_env_state are the only places that touch it (tests/test_environments.py checks it)."""
+    return envs._autoreset_envs
 
 
 def restore_env_state(envs: gym.vector.SyncVectorEnv, state: dict) -> np.ndarray:
@@ -380,7 +387,7 @@ def restore_env_state(envs: gym.vector.SyncVectorEnv, state: dict) -> np.ndarray
         set_episode_counters(env, saved["episode_counters"])
         if hasattr(env.unwrapped, "steps_beyond_terminated"):
             env.unwrapped.steps_beyond_terminated = saved["steps_beyond_terminated"]
-    envs._autoreset_envs[:] = state["autoreset"]
+    autoreset_pending(envs)[:] = state["autoreset"]
     return state["obs"].copy()
 
 
