@@ -70,6 +70,7 @@ from cleanrlhf_utils.feedback import (
     record_labels,
     validate_feedback_args,
 )
+from cleanrlhf_utils.presets import PresetArgs
 from cleanrlhf_utils.tracking import (
     announce_run,
     default_run_name,
@@ -359,9 +360,9 @@ def validate_preference_args(args) -> None:
 
 
 @dataclass
-class Args(CheckpointArgs, FeedbackArgs, PreferenceArgs, PPOArgs):
-    """PrefPPO's settings: PPO's, preference learning's, the teacher's (cleanrlhf_utils.feedback.FeedbackArgs) and
-    checkpoints' (cleanrlhf_utils.runs.CheckpointArgs)."""
+class Args(CheckpointArgs, FeedbackArgs, PreferenceArgs, PPOArgs, PresetArgs):
+    """PrefPPO's settings: PPO's, preference learning's, the teacher's (cleanrlhf_utils.feedback.FeedbackArgs),
+    checkpoints' (cleanrlhf_utils.runs.CheckpointArgs) and the --preset they start from (cleanrlhf_utils.presets)."""
 
     buffer_size: int = 100_000
     """recent transitions kept (with their simulator states) to draw query segments from (capped at total_timesteps)"""

@@ -64,6 +64,7 @@ from cleanrlhf_utils.feedback import (
     record_labels,
     validate_feedback_args,
 )
+from cleanrlhf_utils.presets import PresetArgs
 from cleanrlhf_utils.tracking import (
     announce_run,
     default_run_name,
@@ -345,9 +346,9 @@ def validate_preference_args(args) -> None:
 
 
 @dataclass
-class Args(CheckpointArgs, FeedbackArgs, PreferenceArgs, SACArgs):
-    """PEBBLE's settings: SAC's, preference learning's, the teacher's (cleanrlhf_utils.feedback.FeedbackArgs) and
-    checkpoints' (cleanrlhf_utils.runs.CheckpointArgs)."""
+class Args(CheckpointArgs, FeedbackArgs, PreferenceArgs, SACArgs, PresetArgs):
+    """PEBBLE's settings: SAC's, preference learning's, the teacher's (cleanrlhf_utils.feedback.FeedbackArgs),
+    checkpoints' (cleanrlhf_utils.runs.CheckpointArgs) and the --preset they start from (cleanrlhf_utils.presets)."""
 
 
 def validate_sac_args(args: SACArgs) -> None:

@@ -31,6 +31,7 @@ from typing import Any, Literal
 
 import yaml
 
+from cleanrlhf_utils import presets
 from cleanrlhf_utils.arguments import parse_args
 from cleanrlhf_utils.cli import human_sized_defaults
 from cleanrlhf_utils.errors import ConfigError
@@ -419,8 +420,19 @@ def base_args(script: Script, sweep: Sweep, flags: Sequence[str]):
         raise SweepError(f"--{swept[0].replace('_', '-')} is swept by the config: it cannot also be set after --")
     if "run_name" in script_flag_names(flags, script):
         raise SweepError("--run-name cannot be set after --: the sweep names every trial's run")
-    base = parse_args(script.Args, args=list(flags), default=replace(script.Args(), **sweep.fixed))
-    given = script_flag_names(flags, script) | set(sweep.fixed) | set(sweep.params)  # human mode: a budget set nowhere is human-sized
+    if "preset" in sweep.params:
+        raise SweepError("preset cannot be swept: sweep the settings it sets (cleanrlhf_utils/presets.py), or fix it")
+    # The preset (after --, else the config's fixed one) over the defaults, the config's fixed values over it, the flags over all.
+    name = presets.chosen(flags) or sweep.fixed.get("preset")
+    try:
+        values = presets.preset_values(script.Args, name, script.path) if name is not None else {}
+    except presets.PresetError as error:
+        raise SweepError(str(error)) from None
+    start = replace(script.Args(), **{**values, **{key: value for key, value in sweep.fixed.items() if key != "preset"}})
+    base = parse_args(script.Args, args=list(flags), default=start)
+    given = (
+        script_flag_names(flags, script) | set(sweep.fixed) | set(sweep.params) | set(values)
+    )  # human mode: a budget set nowhere is human-sized
     return human_sized_defaults(base, given, getattr(script.module, "feedback_schedule", None))
 
 
@@ -725,10 +737,13 @@ def flag_tokens(name: str, value: Any) -> str:
 
 
 def run_script(script: Script, values: dict, header: list[str]) -> str:
-    """A bash run script in the format of scripts/Hopper-v5.sh: the settings that differ from the script's defaults
-    (env id always first), one flag a line, then "$@" for more flags. The header must not contain `python framework/...`:
-    tests/test_repo.py takes the first line that does for the command."""
+    """A bash run script in the format of scripts/Hopper-v5.sh: the settings that differ from the script's defaults, or
+    from its preset's values where the trial had one (env id always first, then --preset), one flag a line, then "$@"
+    for more flags. The header must not contain `python framework/...`: tests/test_repo.py takes the first line that
+    does for the command."""
     defaults = asdict(script.Args())
+    if values.get("preset") in presets.usable(script.Args):  # --preset NAME, then what differs from the preset's values
+        defaults.update(presets.preset_values(script.Args, values["preset"], script.path), preset=None)
     names = ["env_id"] + [f.name for f in fields(script.Args) if f.name != "env_id"]
     lines = [
         flag_tokens(name, values.get(name, defaults[name]))

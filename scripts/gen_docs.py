@@ -96,6 +96,8 @@ def class_fields(repo: Path, path: Path, node: ast.ClassDef, cache: dict) -> lis
             continue
         name = statement.target.id
         annotation = ast.unparse(statement.annotation)
+        if isinstance(statement.annotation, ast.Subscript) and ast.unparse(statement.annotation.value) in ("Annotated", "typing.Annotated"):
+            annotation = ast.unparse(statement.annotation.slice.elts[0])  # the type; the rest is tyro's (e.g. a built help text)
         if annotation.startswith("ClassVar"):
             continue
         default = None if statement.value is None else ast.unparse(statement.value)

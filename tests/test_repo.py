@@ -5,9 +5,9 @@ import shlex
 from pathlib import Path
 
 import pytest
-import tyro
 
 import sweep
+from cleanrlhf_utils.cli import command_line_args
 
 REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()
@@ -69,7 +69,7 @@ def test_run_scripts_parse_with_the_scripts_own_args(script):
     program = next(token for token in tokens if token.startswith("framework/"))
     training_script = sweep.load_script(Path(program).stem.replace("_", "-"))  # the script's Args and its own checks
     flags = tokens[tokens.index(program) + 1 :]
-    args = tyro.cli(training_script.Args, args=flags)  # an unknown flag exits with a usage error
+    args = command_line_args(training_script.Args, flags)  # as the script reads it (--preset); an unknown flag exits 2
     training_script.validate(args)
     # scripts/<ENV_ID>.sh: the file's path is the env it runs (dm_control/<task>-v0 in a folder); <ENV_ID>-demo.sh
     # is the README's short run of it, <ENV_ID>_qpa.sh its QPA setting

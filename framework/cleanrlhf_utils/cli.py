@@ -11,6 +11,7 @@ from pathlib import Path
 from .arguments import given_fields, parse_args
 from .errors import ConfigError
 from .feedback import FeedbackServerError
+from .presets import PresetError, preset_default
 from .tracking import SECRET_ARGS
 
 HUMAN_LABEL_DEFAULTS = {"teacher_feedback_total_queries": 100, "teacher_feedback_num_queries_per_session": 10}
@@ -37,13 +38,25 @@ def human_sized_defaults(args, given: set[str], schedule: Callable | None = None
     return args
 
 
+def script_name(args_class: type) -> str:
+    """The file name of the script that defines args_class (sac_rlhf.py, also when it runs as __main__)."""
+    module = sys.modules.get(args_class.__module__)
+    return Path(getattr(module, "__file__", None) or f"{args_class.__module__}.py").name
+
+
 def command_line_args(args_class: type, argv: list[str] | None = None):
-    """The settings a command line (default: sys.argv[1:]) asks for: tyro's parse (its errors as one line), then, in
-    human mode, human-sized defaults for the label budget flags it does not set."""
+    """The settings a command line (default: sys.argv[1:]) asks for: its --preset's values over the defaults (presets.py),
+    tyro's parse over those (its errors as one line), then, in human mode, human-sized defaults for the label budget
+    flags that neither the command line nor the preset sets."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = parse_args(args_class, argv)
+    try:
+        default, preset_fields = preset_default(args_class, argv, script=script_name(args_class))
+    except PresetError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
+    args = parse_args(args_class, argv, default=default)
     schedule = getattr(sys.modules.get(args_class.__module__), "feedback_schedule", None)
-    return human_sized_defaults(args, given_fields(argv, args_class), schedule)
+    return human_sized_defaults(args, given_fields(argv, args_class) | preset_fields, schedule)
 
 
 class RunInterrupted(KeyboardInterrupt):
