@@ -5,15 +5,9 @@
 # session), spread over sessions every 10k steps. Not yet swept: sweep_config/ant.yaml is that sweep.
 # Run from the repository root: bash scripts/Ant-v5.sh [more flags]
 set -euo pipefail
-python framework/sac_rlhf.py \
+python framework/sac_rlhf.py --preset gym-mujoco \
   --env-id Ant-v5 \
-  --total-timesteps 1000000 \
-  --total-explore-steps 10000 \
   --teacher-feedback-total-queries 1000 \
   --teacher-feedback-num-queries-per-session 100 \
   --teacher-feedback-frequency 10000 \
-  --teacher-feedback-schedule exponential \
-  --preference-sampling disagree \
-  --segment-length 50 \
-  --surf \
   "$@"

@@ -5,15 +5,9 @@
 # every segment is a full 50 steps from the start. Not yet swept: sweep_config/halfcheetah.yaml is that sweep.
 # Run from the repository root: bash scripts/HalfCheetah-v5.sh [more flags]
 set -euo pipefail
-python framework/sac_rlhf.py \
+python framework/sac_rlhf.py --preset gym-mujoco \
   --env-id HalfCheetah-v5 \
-  --total-timesteps 1000000 \
-  --total-explore-steps 10000 \
   --teacher-feedback-total-queries 500 \
   --teacher-feedback-num-queries-per-session 50 \
   --teacher-feedback-frequency 10000 \
-  --teacher-feedback-schedule exponential \
-  --preference-sampling disagree \
-  --segment-length 50 \
-  --surf \
   "$@"

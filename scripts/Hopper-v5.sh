@@ -8,14 +8,9 @@
 # the learned reward weak over exactly those steps.
 # Run from the repository root: bash scripts/Hopper-v5.sh [more flags]
 set -euo pipefail
-python framework/sac_rlhf.py \
+python framework/sac_rlhf.py --preset gym-mujoco \
   --env-id Hopper-v5 \
-  --total-timesteps 1000000 \
-  --total-explore-steps 10000 \
   --teacher-feedback-total-queries 200 \
   --teacher-feedback-num-queries-per-session 20 \
   --teacher-feedback-frequency 5000 \
-  --teacher-feedback-schedule exponential \
-  --preference-sampling disagree \
-  --segment-length 50 \
   "$@"

@@ -5,16 +5,10 @@
 # that a 0.99 horizon barely sees. Not yet swept: sweep_config/swimmer.yaml is that sweep.
 # Run from the repository root: bash scripts/Swimmer-v5.sh [more flags]
 set -euo pipefail
-python framework/sac_rlhf.py \
+python framework/sac_rlhf.py --preset gym-mujoco \
   --env-id Swimmer-v5 \
-  --total-timesteps 1000000 \
   --gamma 0.9999 \
-  --total-explore-steps 10000 \
   --teacher-feedback-total-queries 200 \
   --teacher-feedback-num-queries-per-session 20 \
   --teacher-feedback-frequency 5000 \
-  --teacher-feedback-schedule exponential \
-  --preference-sampling disagree \
-  --segment-length 50 \
-  --surf \
   "$@"

@@ -11,15 +11,10 @@
 # the same ten sessions to 91k did worse on the same seeds (0.45 x SAC).
 # Run from the repository root: bash scripts/Walker2d-v5.sh [more flags]
 set -euo pipefail
-python framework/sac_rlhf.py \
+python framework/sac_rlhf.py --preset gym-mujoco \
   --env-id Walker2d-v5 \
-  --total-timesteps 1000000 \
-  --total-explore-steps 10000 \
   --teacher-feedback-total-queries 500 \
   --teacher-feedback-num-queries-per-session 50 \
   --teacher-feedback-frequency 90000 \
   --teacher-feedback-schedule linear \
-  --preference-sampling disagree \
-  --segment-length 50 \
-  --surf \
   "$@"

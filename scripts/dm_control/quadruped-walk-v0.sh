@@ -9,25 +9,12 @@
 # latest policy's data by 0.06-0.13 (bench/reward_learning.py, 3 seeds; on Hopper-v5 it did not help, so it is off by default).
 # Run from the repository root: bash scripts/dm_control/quadruped-walk-v0.sh [more flags]
 set -euo pipefail
-python framework/sac_rlhf.py \
+python framework/sac_rlhf.py --preset dmc \
   --env-id dm_control/quadruped-walk-v0 \
   --total-timesteps 1000000 \
-  --actor-hidden-dim 1024 \
-  --critic-hidden-dim 1024 \
-  --batch-size 1024 \
   --policy-lr 0.0001 \
   --q-lr 0.0001 \
-  --alpha 0.1 \
-  --policy-frequency 1 \
-  --target-network-frequency 2 \
-  --total-explore-steps 10000 \
   --teacher-feedback-total-queries 1000 \
   --teacher-feedback-num-queries-per-session 100 \
   --teacher-feedback-frequency 30000 \
-  --teacher-feedback-schedule linear \
-  --preference-sampling disagree \
-  --segment-length 50 \
-  --reward-net-epochs 50 \
-  --surf \
-  --reward-net-normalize-inputs \
   "$@"

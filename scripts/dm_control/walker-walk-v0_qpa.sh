@@ -11,30 +11,12 @@
 # pairs are asked and replayed, not the model's inputs, and bench/feedback_efficiency.py --variant qpa runs it so.
 # Run from the repository root: bash scripts/dm_control/walker-walk-v0_qpa.sh [more flags]
 set -euo pipefail
-python framework/sac_rlhf.py \
+python framework/sac_rlhf.py --preset dmc-qpa \
   --env-id dm_control/walker-walk-v0 \
-  --exp-name qpa \
   --total-timesteps 500000 \
-  --actor-hidden-dim 1024 \
-  --critic-hidden-dim 1024 \
-  --batch-size 1024 \
   --policy-lr 0.0005 \
   --q-lr 0.0005 \
-  --alpha 0.1 \
-  --policy-frequency 1 \
-  --target-network-frequency 2 \
-  --total-explore-steps 10000 \
   --teacher-feedback-total-queries 100 \
   --teacher-feedback-num-queries-per-session 10 \
   --teacher-feedback-frequency 20000 \
-  --teacher-feedback-schedule linear \
-  --preference-sampling uniform \
-  --segment-length 50 \
-  --reward-ensemble-size 1 \
-  --reward-net-epochs 50 \
-  --no-surf \
-  --reward-net-normalize-inputs \
-  --qpa-query-episodes 10 \
-  --qpa-hybrid-ratio 0.5 \
-  --qpa-augmentations 20 \
   "$@"

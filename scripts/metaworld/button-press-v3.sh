@@ -17,33 +17,7 @@
 #   eval/success_rate (fraction of the 10 evaluation episodes that reached success at any step).
 # Run from the repository root: bash scripts/metaworld/button-press-v3.sh [more flags, e.g. --seed 2]
 set -euo pipefail
-python framework/sac_rlhf.py \
+python framework/sac_rlhf.py --preset metaworld \
   --env-id metaworld/button-press-v3 \
-  --total-timesteps 1000000 \
-  --actor-hidden-dim 256 \
-  --actor-hidden-layers 3 \
-  --critic-hidden-dim 256 \
-  --critic-hidden-layers 3 \
-  --batch-size 512 \
-  --policy-lr 0.0003 \
-  --q-lr 0.0003 \
-  --alpha 0.1 \
-  --tau 0.005 \
-  --gamma 0.99 \
-  --policy-frequency 1 \
-  --target-network-frequency 2 \
-  --learning-starts 1000 \
-  --total-explore-steps 10000 \
   --teacher-feedback-total-queries 20000 \
-  --teacher-feedback-num-queries-per-session 50 \
-  --teacher-feedback-frequency 5000 \
-  --teacher-feedback-schedule linear \
-  --preference-sampling disagree \
-  --segment-length 50 \
-  --reward-ensemble-size 3 \
-  --reward-net-lr 0.0003 \
-  --reward-net-epochs 10 \
-  --evaluation-frequency 10000 \
-  --evaluation-episodes 10 \
-  --surf \
   "$@"
