@@ -8,13 +8,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
+import ppo
 from cleanrlhf_utils.checkpoints import checkpoint_file, load_checkpoint
 from cleanrlhf_utils.cli import cli
 from cleanrlhf_utils.envs import check_env_id
 from cleanrlhf_utils.errors import ConfigError
 from cleanrlhf_utils.evaluate import evaluate_episodes, success_rate
 from cleanrlhf_utils.training import set_torch_threads
-from sac_rlhf import Actor, make_env
+from sac import Actor, make_env
 
 
 @dataclass
@@ -51,9 +52,7 @@ def load_actor(path: str | Path, env_id: str | None = None) -> tuple[torch.nn.Mo
     path = checkpoint_file(path)
     checkpoint = load_checkpoint(path)
     if checkpoint.get("algorithm") in ("pref_ppo", "ppo"):  # PPO policy, with its observation normalisation
-        import pref_ppo
-
-        return pref_ppo.load_policy(path, env_id)
+        return ppo.load_policy(path, env_id)
     train_args = checkpoint["args"]
     env_id = env_id or train_args["env_id"]
     check_env_id(env_id)

@@ -1,36 +1,589 @@
-# PPO on the environment's true reward: the baseline PrefPPO (pref_ppo.py) is compared with. It is the PPO of
-# pref_ppo.py (agent, rollout collection, observation and return normalisation, GAE, the update, evaluation and
-# checkpoints, imported from there) so that a comparison measures learning from preferences and nothing else.
+# PPO on the environment's true reward (CleanRL's ppo_continuous_action.py, discrete actions too): the baseline PrefPPO
+# (pref_ppo.py) is compared with. Read top to bottom: the settings, the agent, rollouts, observation and return
+# normalisation, GAE and the clipped update, then `main`. The PPO part is a deliberate copy of pref_ppo.py's (one file =
+# one algorithm, as CleanRL keeps it), held identical by tests/test_lockstep.py, so a comparison measures learning from
+# preferences and nothing else; evaluation and checkpoints are cleanrlhf_utils', shared by both.
+import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Literal
 
+import gymnasium as gym
 import numpy as np
 import torch
+import torch.nn as nn
 
-from cleanrlhf_utils.checkpoints import save_checkpoint
+from cleanrlhf_utils import envs as cleanrlhf_envs
+from cleanrlhf_utils.checkpoints import checkpoint_file, load_checkpoint, save_checkpoint
 from cleanrlhf_utils.cli import cli
+from cleanrlhf_utils.envs import autoreset_pending, check_can_render, check_env_id, get_physics_state
+from cleanrlhf_utils.errors import ConfigError, need
 from cleanrlhf_utils.evaluate import evaluate_and_log, success_summary
 from cleanrlhf_utils.tracking import announce_run, default_run_name, progress_bar, start_logging, stop_logging, write_summary
-from cleanrlhf_utils.training import crossed, seed_everything
-from pref_ppo import (
-    Agent,
-    EpisodeTracker,
-    ObservationNormalizer,
-    PPOArgs,
-    PPOPolicy,
-    ReturnNormalizer,
-    RolloutBuffer,
-    collect_rollout,
-    make_vector_env,
-    reward_action_dim,
-    set_learning_rate,
-    train_on_rollout,
-    validate_ppo_args,
-)
+from cleanrlhf_utils.training import RunningMoments, crossed, seed_everything
 
 
+@dataclass
+class PPOArgs:
+    """Settings shared with the true-reward baseline ppo.py (experiment, environment, PPO, evaluation)."""
+
+    # --- experiment ---
+    exp_name: str = "pref_ppo"
+    """the name of this experiment (part of the run name)"""
+    run_name: str | None = None
+    """outputs go to runs/, models/ and videos/<run_name>; default: <env>__<exp>__<seed>__<time>"""
+    seed: int = 1
+    """seed of the experiment (environments seed, seed+1, ...; networks; sampling; a synthetic teacher uses seed+1)"""
+    torch_deterministic: bool = True
+    """if toggled, `torch.backends.cudnn.deterministic=True`"""
+    cuda: bool = True
+    """if toggled, cuda will be used when available"""
+    torch_threads: int = 1
+    """torch's intra-op threads on the CPU: one is fastest for these network sizes, most of all on a shared machine
+    (measured: 10x faster than torch's default on 2 busy cores); 0 keeps torch's default"""
+    track: bool = False
+    """if toggled, this experiment will be tracked with Weights and Biases"""
+    wandb_project_name: str = "CleanRLHF"
+    """the wandb's project name"""
+    wandb_entity: str | None = None
+    """the entity (team) of wandb's project"""
+    progress_bar: bool = True
+    """show a progress bar over the environment steps"""
+    capture_video: bool = False
+    """write mp4 videos of evaluation episodes to videos/<run_name>/"""
+    render_mode: Literal["human", "rgb_array"] | None = None
+    """render the first training environment live (`human`); cannot be combined with --capture-video"""
+    video_width: int = 320
+    """width of rendered frames of MuJoCo environments (videos and re-rendered segments)"""
+    video_height: int = 240
+    """height of rendered frames of MuJoCo environments (videos and re-rendered segments)"""
+
+    # --- environment and PPO (CleanRL's ppo_continuous_action defaults) ---
+    env_id: str = "Hopper-v5"
+    """the id of the environment: Gymnasium MuJoCo, dm_control/<domain>-<task>-v0, or classic control (CartPole-v1, ...);
+    framework/working_envs.md lists the MuJoCo and DMC ones"""
+    terminate_when_unhealthy: bool = True
+    """end an episode when the robot falls (Hopper, Walker2d, Ant, Humanoid); --no-terminate-when-unhealthy keeps it
+    running so a person can teach what the default termination forbids (a salto, raising one leg)"""
+    total_timesteps: int = 1_000_000
+    """total environment steps (whole iterations of num_envs x num_steps: the remainder is not run)"""
+    learning_rate: float = 3e-4
+    """the learning rate of the optimizer"""
+    num_envs: int = 1
+    """the number of parallel game environments (gym.vector.SyncVectorEnv)"""
+    num_steps: int = 2048
+    """the number of steps to run in each environment per policy rollout"""
+    anneal_lr: bool = True
+    """toggle learning rate annealing for policy and value networks"""
+    gamma: float = 0.99
+    """the discount factor gamma"""
+    gae_lambda: float = 0.95
+    """the lambda for the general advantage estimation"""
+    num_minibatches: int = 32
+    """the number of mini-batches"""
+    update_epochs: int = 10
+    """the K epochs to update the policy"""
+    norm_adv: bool = True
+    """toggles advantages normalization"""
+    clip_coef: float = 0.2
+    """the surrogate clipping coefficient"""
+    clip_vloss: bool = True
+    """toggles whether or not to use a clipped loss for the value function, as per the paper"""
+    ent_coef: float = 0.0
+    """coefficient of the entropy"""
+    vf_coef: float = 0.5
+    """coefficient of the value function"""
+    max_grad_norm: float = 0.5
+    """the maximum norm for the gradient clipping"""
+    target_kl: float | None = None
+    """the target KL divergence threshold"""
+    actor_hidden_dim: int = 64
+    """width of the actor's hidden layers"""
+    actor_hidden_layers: int = 2
+    """number of hidden layers of the actor"""
+    critic_hidden_dim: int = 64
+    """width of the critic's hidden layers"""
+    critic_hidden_layers: int = 2
+    """number of hidden layers of the critic"""
+    normalize_obs: bool = True
+    """normalise the policy's observations by their running mean and std (saved in checkpoints, applied by evaluation)"""
+    normalize_reward: bool = True
+    """divide the rewards PPO learns from by the running std of the discounted return (CleanRL's NormalizeReward)"""
+
+    # --- evaluation ---
+    evaluation_frequency: int = 10_000
+    """environment steps between evaluations, checked after each iteration (0: only at the end)"""
+    evaluation_episodes: int = 5
+    """episodes per evaluation (deterministic actions, distinct seeds)"""
+
+
+def validate_ppo_args(args: PPOArgs) -> None:
+    need(args.total_timesteps > 0, f"--total-timesteps must be positive, got {args.total_timesteps}")
+    need(args.num_envs >= 1, f"--num-envs must be >= 1, got {args.num_envs}")
+    need(args.num_steps >= 1, f"--num-steps must be >= 1, got {args.num_steps}")
+    need(
+        args.total_timesteps >= args.num_envs * args.num_steps,
+        f"--total-timesteps ({args.total_timesteps}) must hold at least one rollout of --num-envs x --num-steps = {args.num_envs * args.num_steps} steps",
+    )
+    need(args.learning_rate > 0, f"--learning-rate must be > 0, got {args.learning_rate}")
+    need(args.num_minibatches >= 1, f"--num-minibatches must be >= 1, got {args.num_minibatches}")
+    need(args.update_epochs >= 1, f"--update-epochs must be >= 1, got {args.update_epochs}")
+    need(0 <= args.gamma <= 1, f"--gamma must be in [0, 1], got {args.gamma}")
+    need(0 <= args.gae_lambda <= 1, f"--gae-lambda must be in [0, 1], got {args.gae_lambda}")
+    need(args.clip_coef > 0, f"--clip-coef must be > 0, got {args.clip_coef}")
+    need(args.max_grad_norm > 0, f"--max-grad-norm must be > 0, got {args.max_grad_norm}")
+    need(args.target_kl is None or args.target_kl > 0, f"--target-kl must be > 0, got {args.target_kl}")
+    need(args.actor_hidden_layers >= 0 and args.critic_hidden_layers >= 0, "--actor-hidden-layers and --critic-hidden-layers must be >= 0")
+    need(
+        args.evaluation_frequency >= 0 and args.evaluation_episodes >= 1,
+        f"--evaluation-frequency must be >= 0 and --evaluation-episodes >= 1, got {args.evaluation_frequency} and {args.evaluation_episodes}",
+    )
+    need(
+        not (args.capture_video and args.render_mode == "human"),
+        "--capture-video cannot be combined with --render-mode human (choose one)",
+    )
+    check_env_id(args.env_id)
+    if args.capture_video:
+        check_can_render(args.env_id, "--capture-video")
+    if args.render_mode is not None:
+        check_can_render(args.env_id, f"--render-mode {args.render_mode}")
+
+
+def check_ppo_actions(env_id: str, space: gym.Space) -> None:
+    need(
+        isinstance(space, (gym.spaces.Box, gym.spaces.Discrete)),
+        f"--env-id {env_id} has a {type(space).__name__} action space; PPO here needs a continuous (Box) or Discrete one",
+    )
+
+
+def make_env(
+    env_id: str, seed: int, render_mode=None, width: int = 320, height: int = 240, terminate_when_unhealthy: bool = True, task_seed=None
+):
+    """cleanrlhf_utils' environment, refused unless PPO can act in it (task_seed: the Meta-World layout, default seed's)."""
+    return cleanrlhf_envs.make_env(env_id, seed, render_mode, width, height, terminate_when_unhealthy, check_ppo_actions, task_seed)
+
+
+def make_vector_env(args: PPOArgs) -> gym.vector.SyncVectorEnv:
+    """num_envs copies with Gymnasium's next-step autoreset; only the first renders with --render-mode."""
+    return gym.vector.SyncVectorEnv(
+        [
+            make_env(
+                args.env_id,
+                args.seed + i,
+                args.render_mode if i == 0 else None,
+                args.video_width,
+                args.video_height,
+                args.terminate_when_unhealthy,
+                task_seed=args.seed,  # one Meta-World layout for all copies: the one evaluations use
+            )
+            for i in range(args.num_envs)
+        ],
+        autoreset_mode=gym.vector.AutoresetMode.NEXT_STEP,
+    )
+
+
+def layer_init(layer: nn.Linear, std: float = np.sqrt(2), bias_const: float = 0.0) -> nn.Linear:
+    torch.nn.init.orthogonal_(layer.weight, std)
+    torch.nn.init.constant_(layer.bias, bias_const)
+    return layer
+
+
+def ppo_mlp(in_dim: int, hidden_dim: int, hidden_layers: int, out_dim: int, out_std: float) -> nn.Sequential:
+    """CleanRL's PPO network: tanh hidden layers, orthogonal initialisation, a small last layer for the policy."""
+    layers, width = [], in_dim
+    for _ in range(hidden_layers):
+        layers += [layer_init(nn.Linear(width, hidden_dim)), nn.Tanh()]
+        width = hidden_dim
+    layers.append(layer_init(nn.Linear(width, out_dim), std=out_std))
+    return nn.Sequential(*layers)
+
+
+class Agent(nn.Module):
+    """CleanRL's PPO agent: separate actor and critic. Box actions: a Gaussian with a state-independent log std
+    (actions are clipped to the bounds when they are sent to the env); Discrete actions: a categorical."""
+
+    def __init__(
+        self,
+        obs_dim: int,
+        action_space: gym.spaces.Space,
+        actor_hidden_dim: int = 64,
+        actor_hidden_layers: int = 2,
+        critic_hidden_dim: int = 64,
+        critic_hidden_layers: int = 2,
+    ):
+        super().__init__()
+        self.discrete = isinstance(action_space, gym.spaces.Discrete)
+        self.critic_shape = (obs_dim, critic_hidden_dim, critic_hidden_layers)
+        self.critic = ppo_mlp(obs_dim, critic_hidden_dim, critic_hidden_layers, 1, 1.0)
+        if self.discrete:
+            self.actor = ppo_mlp(obs_dim, actor_hidden_dim, actor_hidden_layers, int(action_space.n), 0.01)
+        else:
+            action_dim = int(np.prod(action_space.shape))
+            self.actor = ppo_mlp(obs_dim, actor_hidden_dim, actor_hidden_layers, action_dim, 0.01)
+            self.actor_logstd = nn.Parameter(torch.zeros(1, action_dim))
+            self.register_buffer("action_low", torch.as_tensor(action_space.low, dtype=torch.float32).reshape(-1))
+            self.register_buffer("action_high", torch.as_tensor(action_space.high, dtype=torch.float32).reshape(-1))
+
+    def get_value(self, x: torch.Tensor) -> torch.Tensor:
+        return self.critic(x).squeeze(-1)
+
+    def distribution(self, x: torch.Tensor) -> torch.distributions.Distribution:
+        if self.discrete:
+            return torch.distributions.Categorical(logits=self.actor(x))
+        mean = self.actor(x)
+        return torch.distributions.Normal(mean, self.actor_logstd.expand_as(mean).exp())
+
+    def get_action_and_value(self, x: torch.Tensor, action: torch.Tensor | None = None):
+        """(action, log-probability, entropy, value); samples an action when none is given."""
+        dist = self.distribution(x)
+        if action is None:
+            action = dist.sample()
+        log_prob, entropy = dist.log_prob(action), dist.entropy()
+        if not self.discrete:
+            log_prob, entropy = log_prob.sum(-1), entropy.sum(-1)
+        return action, log_prob, entropy, self.get_value(x)
+
+    def deterministic_action(self, x: torch.Tensor) -> torch.Tensor:
+        """The most likely action (argmax, or the Gaussian mean clipped to the bounds); draws no random numbers."""
+        if self.discrete:
+            return self.actor(x).argmax(-1)
+        return torch.maximum(torch.minimum(self.actor(x), self.action_high), self.action_low)
+
+    def reset_critic(self, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """PEBBLE re-initialises the critic after exploration: its values were for the intrinsic reward. The
+        optimiser forgets the critic's moments (its parameters are re-initialised in place)."""
+        fresh = ppo_mlp(*self.critic_shape, 1, 1.0).to(next(self.critic.parameters()).device)
+        with torch.no_grad():
+            for old, new in zip(self.critic.parameters(), fresh.parameters()):
+                old.copy_(new)
+                if optimizer is not None:
+                    optimizer.state.pop(old, None)
+
+
+def env_actions(actions: np.ndarray, action_space: gym.spaces.Space) -> np.ndarray:
+    """What the envs are sent: Box actions clipped to the bounds (CleanRL's ClipAction), Discrete as integers."""
+    if isinstance(action_space, gym.spaces.Discrete):
+        return actions.astype(np.int64)
+    return np.clip(actions, action_space.low, action_space.high).astype(np.float32)
+
+
+def reward_action_dim(action_space: gym.spaces.Space) -> int:
+    return int(action_space.n) if isinstance(action_space, gym.spaces.Discrete) else int(np.prod(action_space.shape))
+
+
+def encode_actions(actions: np.ndarray, action_space: gym.spaces.Space) -> np.ndarray:
+    """The reward model's action input: the env's (clipped) action, one-hot for Discrete action spaces."""
+    if isinstance(action_space, gym.spaces.Discrete):
+        return np.eye(int(action_space.n), dtype=np.float32)[actions.astype(np.int64)]
+    return actions.reshape(*actions.shape[: actions.ndim - len(action_space.shape)], -1).astype(np.float32)
+
+
+class PPOPolicy(nn.Module):
+    """What evaluation runs: a raw observation, normalised with the training statistics, to the agent's
+    deterministic action. The statistics are a copy: evaluation never updates them."""
+
+    def __init__(self, agent: Agent, normalizer: "ObservationNormalizer"):
+        super().__init__()
+        self.agent, self.discrete = agent, agent.discrete
+        self.normalize_obs, self.clip, self.epsilon = normalizer.enabled, normalizer.clip, normalizer.epsilon
+        self.register_buffer("obs_mean", torch.as_tensor(normalizer.mean, dtype=torch.float64).clone())
+        self.register_buffer("obs_var", torch.as_tensor(normalizer.var, dtype=torch.float64).clone())
+
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        """The same arithmetic as ObservationNormalizer.normalize (float64, then float32)."""
+        if not self.normalize_obs:
+            return x.float()
+        return ((x.double() - self.obs_mean) / torch.sqrt(self.obs_var + self.epsilon)).clamp(-self.clip, self.clip).float()
+
+    def deterministic_action(self, x: torch.Tensor) -> torch.Tensor:
+        return self.agent.deterministic_action(self.normalize(x.to(self.obs_mean.device)))
+
+
+def load_policy(path: str | Path, env_id: str | None = None) -> tuple[PPOPolicy, str]:
+    """The evaluation policy of a pref_ppo.py or ppo.py checkpoint (file or folder), with its observation
+    normalisation, and the env id to run it on (default: the one it was trained on)."""
+    path = checkpoint_file(path)
+    checkpoint = load_checkpoint(path)
+    train_args = checkpoint["args"]
+    env_id = env_id or train_args["env_id"]
+    check_env_id(env_id)
+    env = make_env(env_id, 0)()
+    obs_dim, space = int(np.prod(env.observation_space.shape)), env.action_space
+    env.close()
+    sizes = [train_args[name] for name in ("actor_hidden_dim", "actor_hidden_layers", "critic_hidden_dim", "critic_hidden_layers")]
+    agent = Agent(obs_dim, space, *sizes)
+    normalizer = ObservationNormalizer(obs_dim, enabled=train_args["normalize_obs"])
+    try:
+        agent.load_state_dict(checkpoint["agent"])
+        normalizer.load_state_dict(checkpoint["obs_normalizer"])
+        policy = PPOPolicy(agent, normalizer)
+    except (RuntimeError, ValueError) as error:
+        raise ConfigError(f"the model in {path} does not fit --env-id {env_id}: {str(error).splitlines()[0]}") from None
+    return policy, env_id
+
+
+class RolloutBuffer:
+    """One iteration's num_steps x num_envs steps, overwritten every iteration (preferences copy their segments
+    out of the replay buffer, never point into this). `valid` is False on the steps where Gymnasium's next-step
+    autoreset only resets an env: they are not transitions and nothing is learned from them."""
+
+    def __init__(self, num_steps: int, num_envs: int, obs_dim: int, action_shape: tuple, reward_action_dim: int, state_dim: int):
+        shape = (num_steps, num_envs)
+        self.num_steps, self.num_envs = num_steps, num_envs
+        self.obs = np.zeros((*shape, obs_dim), dtype=np.float32)  # normalised: what the policy saw
+        self.next_obs = np.zeros((*shape, obs_dim), dtype=np.float32)  # normalised with the same statistics
+        self.raw_obs = np.zeros((*shape, obs_dim), dtype=np.float32)  # the reward model's and the replay buffer's
+        self.raw_next_obs = np.zeros((*shape, obs_dim), dtype=np.float32)  # at an episode end: the final observation
+        self.actions = np.zeros((*shape, *action_shape), dtype=np.float32)  # as sampled (Box: before clipping)
+        self.reward_actions = np.zeros((*shape, reward_action_dim), dtype=np.float32)  # as sent (clipped / one-hot)
+        self.logprobs = np.zeros(shape, dtype=np.float32)
+        self.true_rewards = np.zeros(shape, dtype=np.float32)  # the environment's, never normalised
+        self.learned_rewards = np.zeros(shape, dtype=np.float32)  # ensemble mean
+        self.reward_std = np.zeros(shape, dtype=np.float32)  # ensemble std (RUNE)
+        self.rewards = np.zeros(shape, dtype=np.float32)  # what PPO learns from (learned + RUNE, intrinsic, or true)
+        self.terminated = np.zeros(shape, dtype=bool)
+        self.truncated = np.zeros(shape, dtype=bool)
+        self.valid = np.zeros(shape, dtype=bool)
+        self.episode_ids = np.full(shape, -1, dtype=np.int64)
+        self.physics_states = np.zeros((*shape, state_dim), dtype=np.float64)  # state behind raw_obs
+        self.rb_index = np.full(shape, -1, dtype=np.int64)  # replay-buffer slot of each valid step
+
+    def obs_actions(self) -> np.ndarray:
+        return np.concatenate([self.raw_obs, self.reward_actions], axis=-1)
+
+
+class ObservationNormalizer(RunningMoments):
+    """CleanRL's NormalizeObservation, kept outside the env so that checkpoints carry it and evaluation applies it:
+    (obs - mean) / sqrt(var + eps), clipped to +-clip. Updated between rollouts, so that all the steps of a
+    rollout (and the values bootstrapped from them) are normalised alike."""
+
+    def __init__(self, obs_dim: int, enabled: bool = True, clip: float = 10.0, epsilon: float = 1e-8):
+        super().__init__(obs_dim)
+        self.enabled, self.clip, self.epsilon = enabled, clip, epsilon
+
+    def normalize(self, obs: np.ndarray) -> np.ndarray:
+        obs = np.asarray(obs, dtype=np.float32)  # as evaluation sees it
+        if not self.enabled:
+            return obs
+        return np.clip((obs - self.mean) / np.sqrt(self.var + self.epsilon), -self.clip, self.clip).astype(np.float32)
+
+
+class ReturnNormalizer:
+    """CleanRL's NormalizeReward outside the env: rewards are divided by the running std of every env's discounted
+    return, which restarts at each episode end. Applied to the rewards PPO learns from only: the teacher and the
+    reward model's bookkeeping keep the raw true reward."""
+
+    def __init__(self, num_envs: int, gamma: float, enabled: bool = True, epsilon: float = 1e-8):
+        self.num_envs, self.gamma, self.enabled, self.epsilon = num_envs, gamma, enabled, epsilon
+        self.reset()
+
+    def reset(self) -> None:
+        self.returns, self.moments = np.zeros(self.num_envs), RunningMoments()
+
+    def scale(self, rewards: np.ndarray, dones: np.ndarray, valid: np.ndarray) -> np.ndarray:
+        if not self.enabled:
+            return rewards.astype(np.float32, copy=True)
+        seen = []
+        for t in range(len(rewards)):
+            self.returns = np.where(valid[t], self.returns * self.gamma + rewards[t], self.returns)
+            seen.append(self.returns[valid[t]])
+            self.returns = np.where(dones[t], 0.0, self.returns)
+        self.moments.update(np.concatenate(seen))
+        return (rewards / np.sqrt(self.moments.var + self.epsilon)).astype(np.float32)
+
+    def state_dict(self) -> dict:
+        return {"returns": self.returns.copy(), "moments": self.moments.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.returns = np.array(state["returns"])
+        self.moments.load_state_dict(state["moments"])
+
+
+class EpisodeTracker:
+    """Return, length and id of every env's running episode. Ids are unique across envs, so that replay-buffer
+    segments never join two episodes."""
+
+    def __init__(self, num_envs: int):
+        self.ids, self.next_id = np.arange(num_envs, dtype=np.int64), num_envs
+        self.returns, self.lengths = np.zeros(num_envs), np.zeros(num_envs, dtype=np.int64)
+
+    def step(self, rewards: np.ndarray, dones: np.ndarray, valid: np.ndarray) -> list[tuple[int, float, int]]:
+        """Counts one vector step; returns (env, return, length) of the episodes that ended with it."""
+        self.returns[valid] += rewards[valid]
+        self.lengths[valid] += 1
+        finished = []
+        for i in np.flatnonzero(valid & dones):
+            finished.append((int(i), float(self.returns[i]), int(self.lengths[i])))
+            self.returns[i], self.lengths[i], self.ids[i] = 0.0, 0, self.next_id
+            self.next_id += 1
+        return finished
+
+    def state_dict(self) -> dict:
+        return {"ids": self.ids.copy(), "next_id": self.next_id, "returns": self.returns.copy(), "lengths": self.lengths.copy()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.ids, self.next_id = np.array(state["ids"]), int(state["next_id"])
+        self.returns, self.lengths = np.array(state["returns"]), np.array(state["lengths"])
+
+
+def collect_rollout(
+    envs: gym.vector.SyncVectorEnv,
+    agent: Agent,
+    obs_rms: ObservationNormalizer,
+    rollout: RolloutBuffer,
+    obs: np.ndarray,
+    episodes: EpisodeTracker,
+    device,
+) -> tuple[np.ndarray, list[tuple[int, int, float, int]]]:
+    """Runs the policy for num_steps vector steps from `obs`, filling `rollout`. Returns the observation to
+    continue from and the episodes that ended, as (step within the rollout, env, return, length)."""
+    action_space = envs.single_action_space
+    finished = []
+    for t in range(rollout.num_steps):
+        if rollout.physics_states.shape[-1]:
+            for i, env in enumerate(envs.envs):
+                rollout.physics_states[t, i] = get_physics_state(env)
+        valid = ~autoreset_pending(envs)  # with next-step autoreset, the step after an episode end only resets
+        policy_obs = obs_rms.normalize(obs)
+        with torch.no_grad():
+            dist = agent.distribution(torch.as_tensor(policy_obs, device=device))
+            action = dist.sample()
+            logprob = dist.log_prob(action) if agent.discrete else dist.log_prob(action).sum(-1)
+        action = action.cpu().numpy()
+        sent = env_actions(action, action_space)
+        next_obs, rewards, terminated, truncated, _ = envs.step(sent)
+        rollout.obs[t], rollout.raw_obs[t], rollout.actions[t], rollout.logprobs[t] = policy_obs, obs, action, logprob.cpu().numpy()
+        rollout.reward_actions[t] = encode_actions(sent, action_space)
+        rollout.next_obs[t], rollout.raw_next_obs[t] = obs_rms.normalize(next_obs), next_obs
+        rollout.true_rewards[t] = rewards
+        rollout.terminated[t], rollout.truncated[t], rollout.valid[t] = terminated & valid, truncated & valid, valid
+        rollout.episode_ids[t] = episodes.ids
+        finished += [(t, *episode) for episode in episodes.step(rewards, terminated | truncated, valid)]
+        obs = next_obs
+    rollout.learned_rewards[:] = rollout.reward_std[:] = rollout.rewards[:] = 0.0
+    rollout.rb_index[:] = -1
+    return obs, finished
+
+
+def rollout_values(agent: Agent, rollout: RolloutBuffer, device) -> tuple[np.ndarray, np.ndarray]:
+    """V(obs) and V(next_obs) of every step, (T, N) each, with the current critic."""
+    shape = rollout.valid.shape
+    with torch.no_grad():
+        values = agent.get_value(torch.as_tensor(rollout.obs.reshape(-1, rollout.obs.shape[-1]), device=device))
+        next_values = agent.get_value(torch.as_tensor(rollout.next_obs.reshape(-1, rollout.obs.shape[-1]), device=device))
+    return values.cpu().numpy().reshape(shape), next_values.cpu().numpy().reshape(shape)
+
+
+def compute_gae(
+    rewards: np.ndarray,
+    values: np.ndarray,
+    next_values: np.ndarray,
+    terminated: np.ndarray,
+    truncated: np.ndarray,
+    valid: np.ndarray,
+    gamma: float,
+    gae_lambda: float,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Generalised advantage estimation over a rollout, arrays (T, N), with Gymnasium's next-step autoreset.
+
+    next_values[t] = V(next_obs[t]): within an episode that is V(obs[t+1]); at a truncated step it is the value of
+    the episode's final observation (bootstrapped, the episode did not end by itself); at a terminated step it is
+    ignored. An episode end stops the recursion, so nothing is bootstrapped across episodes, and the autoreset
+    step after it (valid False) gets advantage 0. The last step bootstraps from V(next_obs), where the next
+    rollout starts. Returns (advantages, returns = advantages + values)."""
+    advantages = np.zeros(rewards.shape, dtype=np.float32)
+    not_terminated = 1.0 - terminated.astype(np.float32)
+    continues = 1.0 - (terminated | truncated).astype(np.float32)
+    last = np.zeros(rewards.shape[1:], dtype=np.float32)
+    for t in reversed(range(len(rewards))):
+        delta = rewards[t] + gamma * next_values[t] * not_terminated[t] - values[t]
+        last = (delta + gamma * gae_lambda * continues[t] * last) * valid[t]
+        advantages[t] = last
+    return advantages, advantages + values
+
+
+def ppo_update(agent: Agent, optimizer: torch.optim.Optimizer, batch: dict, args: PPOArgs, rng: np.random.Generator) -> dict:
+    """CleanRL's clipped PPO update. batch: obs, actions, logprobs, advantages, returns, values (tensors over the
+    valid steps of a rollout); minibatches of ceil(size / num_minibatches) steps, shuffled with `rng`."""
+    size = len(batch["obs"])
+    minibatch_size = max(1, math.ceil(size / args.num_minibatches))
+    clipfracs = []
+    for _ in range(args.update_epochs):
+        order = torch.as_tensor(rng.permutation(size), device=batch["obs"].device)
+        for start in range(0, size, minibatch_size):
+            mb = order[start : start + minibatch_size]
+            _, newlogprob, entropy, newvalue = agent.get_action_and_value(batch["obs"][mb], batch["actions"][mb])
+            logratio = newlogprob - batch["logprobs"][mb]
+            ratio = logratio.exp()
+            with torch.no_grad():
+                old_approx_kl = (-logratio).mean()
+                approx_kl = ((ratio - 1) - logratio).mean()
+                clipfracs.append(((ratio - 1.0).abs() > args.clip_coef).float().mean().item())
+            mb_advantages = batch["advantages"][mb]
+            if args.norm_adv and len(mb) > 1:
+                mb_advantages = (mb_advantages - mb_advantages.mean()) / (mb_advantages.std() + 1e-8)
+            pg_loss1 = -mb_advantages * ratio
+            pg_loss2 = -mb_advantages * torch.clamp(ratio, 1 - args.clip_coef, 1 + args.clip_coef)
+            pg_loss = torch.max(pg_loss1, pg_loss2).mean()
+            returns, values = batch["returns"][mb], batch["values"][mb]
+            if args.clip_vloss:
+                v_loss_unclipped = (newvalue - returns) ** 2
+                v_clipped = values + torch.clamp(newvalue - values, -args.clip_coef, args.clip_coef)
+                v_loss = 0.5 * torch.max(v_loss_unclipped, (v_clipped - returns) ** 2).mean()
+            else:
+                v_loss = 0.5 * ((newvalue - returns) ** 2).mean()
+            entropy_loss = entropy.mean()
+            loss = pg_loss - args.ent_coef * entropy_loss + v_loss * args.vf_coef
+            optimizer.zero_grad()
+            loss.backward()
+            nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
+            optimizer.step()
+        if args.target_kl is not None and approx_kl > args.target_kl:
+            break
+    y_pred, y_true = batch["values"].cpu().numpy(), batch["returns"].cpu().numpy()
+    var_y = np.var(y_true)
+    return {
+        "value_loss": v_loss.item(),
+        "policy_loss": pg_loss.item(),
+        "entropy": entropy_loss.item(),
+        "old_approx_kl": old_approx_kl.item(),
+        "approx_kl": approx_kl.item(),
+        "clipfrac": float(np.mean(clipfracs)),
+        "explained_variance": float("nan") if var_y == 0 else float(1 - np.var(y_true - y_pred) / var_y),
+    }
+
+
+def train_on_rollout(
+    agent: Agent, optimizer, rollout: RolloutBuffer, rewards: np.ndarray, args: PPOArgs, rng: np.random.Generator, device
+) -> dict:
+    """Values, GAE on `rewards` (T, N), and the PPO update on the rollout's valid steps."""
+    values, next_values = rollout_values(agent, rollout, device)
+    advantages, returns = compute_gae(
+        rewards, values, next_values, rollout.terminated, rollout.truncated, rollout.valid, args.gamma, args.gae_lambda
+    )
+    valid = rollout.valid
+    batch = {
+        "obs": rollout.obs[valid], "actions": rollout.actions[valid], "logprobs": rollout.logprobs[valid],
+        "advantages": advantages[valid], "returns": returns[valid], "values": values[valid],
+    }  # fmt: skip
+    batch = {name: torch.as_tensor(value, device=device) for name, value in batch.items()}
+    if agent.discrete:
+        batch["actions"] = batch["actions"].long()
+    return ppo_update(agent, optimizer, batch, args, rng)
+
+
+def set_learning_rate(optimizer: torch.optim.Optimizer, args: PPOArgs, iteration: int, num_iterations: int) -> float:
+    """CleanRL's linear annealing: iteration 1 (of num_iterations) uses the full rate, the last 1/num_iterations of it."""
+    lr = args.learning_rate * (1.0 - (iteration - 1.0) / num_iterations) if args.anneal_lr else args.learning_rate
+    optimizer.param_groups[0]["lr"] = lr
+    return lr
+
+
+# ----------------------------------------------------------------------------------------
+# The baseline: PPO on the environment's reward
+# ----------------------------------------------------------------------------------------
 @dataclass
 class Args(PPOArgs):
     """PPO on the environment's true reward (the baseline of pref_ppo.py)."""

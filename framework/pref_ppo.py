@@ -70,6 +70,7 @@ from cleanrlhf_utils.feedback import (
     record_labels,
     validate_feedback_args,
 )
+from cleanrlhf_utils.objectives import Objective, apply_objective, check_objective, load_objective, segment_rewards
 from cleanrlhf_utils.presets import PresetArgs
 from cleanrlhf_utils.tracking import (
     announce_run,
@@ -250,6 +251,11 @@ class PreferenceArgs:
     """skip a pair when neither return exceeds this fraction of the average segment return"""
     teacher_eps_equal: float = 0.0
     """label a tie when the returns differ by less than this fraction of the average segment return"""
+    teacher_objective: str = ""
+    """what the synthetic teacher prefers instead of the env's reward: a built-in objective (hopper-backflip,
+    ant-raise-leg, halfcheetah-backward, windmill-clockwise, windmill-counterclockwise) or your own `module:function`
+    (cleanrlhf_utils/objectives.py documents the signature); evaluations log eval/objective_return beside the env's
+    return. Human and file mode only measure it. Empty: the env's reward"""
 
     # --- SURF ---
     surf: bool = True
@@ -355,6 +361,7 @@ def validate_preference_args(args) -> None:
         args.rune_beta >= 0 and 0 <= args.rune_beta_decay < 1,
         f"--rune-beta must be >= 0 and --rune-beta-decay in [0, 1), got {args.rune_beta} and {args.rune_beta_decay}",
     )
+    apply_objective(args)  # sets what the objective needs (e.g. no unhealthy termination), refuses what contradicts it
     validate_feedback_args(args)
     validate_checkpoint_args(args)
 
@@ -1055,13 +1062,24 @@ def select_queries(
 # --- Teachers: synthetic (B-Pref, Lee et al. 2021), people in the browser, or an earlier run's labels ---
 class SyntheticTeacher(Teacher):
     """Labels pairs from the true reward, with B-Pref's irrationalities. Its own seeded RNG. With a replay
-    buffer, the skip and tie thresholds follow its average true reward, as B-Pref's do."""
+    buffer, the skip and tie thresholds follow its average true reward, as B-Pref's do. With an `objective`
+    (--teacher-objective), the objective's rewards of the pairs replace the true reward, thresholds following
+    their average over the session's segments."""
 
     labels_are_free = True  # held-out accuracy is measured on fresh pairs, not on labels of the budget
 
     def __init__(
-        self, beta: float, gamma: float, eps_mistake: float, eps_skip: float, eps_equal: float, seed: int, rb: ReplayBuffer | None = None
+        self,
+        beta: float,
+        gamma: float,
+        eps_mistake: float,
+        eps_skip: float,
+        eps_equal: float,
+        seed: int,
+        rb: ReplayBuffer | None = None,
+        objective: Objective | None = None,
     ):
+        self.objective = objective
         self.beta, self.gamma = beta, gamma
         self.eps_mistake, self.eps_skip, self.eps_equal = eps_mistake, eps_skip, eps_equal
         self.rng = np.random.default_rng(seed)
@@ -1074,6 +1092,10 @@ class SyntheticTeacher(Teacher):
         self.threshold_equal = self.eps_equal * average_segment_return
 
     def label(self, segments: dict, session: int) -> tuple[np.ndarray, list[str]]:
+        if self.objective is not None:  # one vectorised call over the session's segments
+            true_rewards = segment_rewards(self.objective, segments, self.rb.obs.shape[-1])
+            self.set_margin(true_rewards.shape[-1] * float(true_rewards.sum() / max(1, segments["masks"].sum())))
+            return self.label_true_rewards(true_rewards), ["synthetic"] * len(true_rewards)
         true_rewards = segments["true_rewards"]
         if self.rb is not None:
             self.set_margin(true_rewards.shape[-1] * float(self.rb.true_rewards[: self.rb.size].mean()))
@@ -1109,13 +1131,17 @@ class SyntheticTeacher(Teacher):
 
 def make_teacher(args: Args, rb: ReplayBuffer, run_name: str, run_dir: Path, video_dir: Path):
     """The one place the feedback mode is read. Every teacher answers label(segments, session) -> (labels,
-    annotators) and has state_dict/load_state_dict (for checkpoints) and close."""
+    annotators) and has state_dict/load_state_dict (for checkpoints) and close. --teacher-objective is checked on
+    the run's shapes here; only the synthetic teacher labels by it (people and a file are only measured by it)."""
+    objective = load_objective(args.teacher_objective)
+    if objective is not None:
+        check_objective(objective, rb.obs.shape[-1], rb.actions.shape[-1], rb.physics_states.shape[-1])
     if args.teacher_feedback_mode == "human":
         return connect_human_teacher(args, run_name, run_dir, video_dir / "clips")
     if args.teacher_feedback_mode == "file":
         return FileTeacher(args.feedback_file)
     eps = (args.teacher_eps_mistake, args.teacher_eps_skip, args.teacher_eps_equal)
-    return SyntheticTeacher(args.teacher_beta, args.teacher_gamma, *eps, seed=args.seed + 1, rb=rb)
+    return SyntheticTeacher(args.teacher_beta, args.teacher_gamma, *eps, seed=args.seed + 1, rb=rb, objective=objective)
 
 
 def show_reward_model(teacher, model: RewardEnsemble, rb: ReplayBuffer, args: Args, rng: np.random.Generator, device, step: int) -> None:

@@ -1,6 +1,7 @@
-"""The preference-learning block is a deliberate copy in sac_rlhf.py and pref_ppo.py (CleanRL's rule: one file =
-one algorithm you can read and hack). These tests hold the copies identical: a change to one copy fails here until
-the other copy follows, and a definition both scripts share must be listed as a copy or as algorithm-specific."""
+"""Deliberate copies (CleanRL's rule: one file = one algorithm you can read and hack): the preference-learning block
+in sac_rlhf.py and pref_ppo.py, and each baseline's algorithm in its preference-learning script (SAC in sac.py and
+sac_rlhf.py, PPO in ppo.py and pref_ppo.py). These tests hold the copies identical: a change to one copy fails here
+until the other follows, and a definition two such scripts share must be listed as a copy or as algorithm-specific."""
 
 import difflib
 import importlib.util
@@ -9,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
+import ppo
 import pref_ppo
+import sac
 import sac_rlhf
 
 FRAMEWORK_DIR = Path(__file__).resolve().parents[1] / "framework"
@@ -52,6 +55,30 @@ LOCKSTEP = [
 # Defined in both scripts under the same name, but each algorithm's own.
 ALGORITHM_SPECIFIC = {"Args", "LoopState", "main", "make_env", "validate_args"}
 
+# SAC as the baseline sac.py and PEBBLE (sac_rlhf.py) both run it: a comparison measures preferences, nothing else.
+SAC_COPY = [
+    "SACArgs",
+    "validate_sac_args",
+    "check_sac_actions",
+    "make_env",
+    "EnsembleLinear",
+    "ensemble_mlp",
+    "TwinQNetwork",
+    "Actor",
+    "adam",
+    "SACAgent",
+]
+# What each baseline and its preference-learning script define under one name but differently (the baseline's own).
+BASELINE_SPECIFIC = {"Args", "main"}
+# PPO as the baseline ppo.py and PrefPPO (pref_ppo.py) both run it.
+PPO_COPY = [
+    "PPOArgs", "validate_ppo_args", "check_ppo_actions", "make_env", "make_vector_env", "layer_init", "ppo_mlp", "Agent",
+    "env_actions", "reward_action_dim", "encode_actions", "PPOPolicy", "load_policy", "RolloutBuffer", "ObservationNormalizer",
+    "ReturnNormalizer", "EpisodeTracker", "collect_rollout", "rollout_values", "compute_gae", "ppo_update", "train_on_rollout",
+    "set_learning_rate",
+]  # fmt: skip
+PAIRS = {"sac": (sac_rlhf, sac, SAC_COPY), "ppo": (pref_ppo, ppo, PPO_COPY)}
+
 
 def own_definitions(module) -> dict:
     return {
@@ -71,6 +98,20 @@ def copies_differ(name: str, first, second) -> str:
 def test_the_copies_in_both_scripts_are_identical(name):
     diff = copies_differ(name, sac_rlhf, pref_ppo)
     assert not diff, f"{name} differs between the scripts; change both copies:\n{diff}"
+
+
+@pytest.mark.parametrize(("baseline", "name"), [(b, name) for b, (_, _, names) in PAIRS.items() for name in names])
+def test_each_baseline_runs_the_same_algorithm_as_its_preference_script(baseline, name):
+    script, copy, _ = PAIRS[baseline]
+    diff = copies_differ(name, script, copy)
+    assert not diff, f"{name} differs between {script.__name__}.py and {copy.__name__}.py; change both copies:\n{diff}"
+
+
+@pytest.mark.parametrize("baseline", PAIRS)
+def test_every_definition_a_baseline_shares_is_a_copy_or_its_own(baseline):
+    script, copy, names = PAIRS[baseline]
+    shared = set(own_definitions(script)) & set(own_definitions(copy))
+    assert shared == set(names) | BASELINE_SPECIFIC, f"list a new name {script.__name__}.py and {copy.__name__}.py share"
 
 
 def test_every_definition_both_scripts_share_is_a_copy_or_algorithm_specific():
