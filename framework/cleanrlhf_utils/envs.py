@@ -5,6 +5,7 @@ stored segment can be re-rendered for a person long after it was lived, and a ch
 mid-episode bit for bit."""
 
 import functools
+import importlib
 import importlib.util
 from collections.abc import Callable
 from pathlib import Path
@@ -15,7 +16,24 @@ import numpy as np
 from .errors import ConfigError, need
 
 
+def registered_id(env_id: str) -> str:
+    """The registry id of `env_id`. Gymnasium's "module:id" form (`my_package.my_module:MyEnv-v0`) names a module
+    to import first, which registers the id; gym.make does the same import, so the full form is what runs keep."""
+    if ":" not in env_id:
+        return env_id
+    module, _, name = env_id.partition(":")
+    try:
+        importlib.import_module(module)
+    except Exception as error:  # noqa: BLE001 (any failure to import is the user's module, said in one line)
+        raise ConfigError(f"--env-id {env_id}: module {module} does not import ({type(error).__name__}: {error})") from None
+    return name
+
+
 def check_env_id(env_id: str) -> None:
+    name = registered_id(env_id)
+    if ":" in env_id:
+        need(name in gym.registry, f"--env-id {env_id}: importing {env_id.partition(':')[0]} registered no environment {name}")
+        return
     if env_id.startswith("dm_control/") or env_id not in gym.registry:  # shimmy registers dm_control/<domain>-<task>-v0
         import shimmy
 
@@ -34,7 +52,7 @@ def accepts_terminate_when_unhealthy(env_id: str) -> bool:
     """Whether the env's constructor takes terminate_when_unhealthy (Gymnasium's Hopper, Walker2d, Ant, Humanoid)."""
     import inspect
 
-    entry_point = gym.spec(env_id).entry_point
+    entry_point = gym.spec(registered_id(env_id)).entry_point
     creator = gym.envs.registration.load_env_creator(entry_point) if isinstance(entry_point, str) else entry_point
     try:
         return "terminate_when_unhealthy" in inspect.signature(creator).parameters
@@ -62,7 +80,19 @@ def image_observation_keys(space: gym.Space) -> list[str]:
 
 
 def is_mujoco_env(env_id: str) -> bool:
-    return env_id.startswith(("dm_control/", METAWORLD_PREFIX)) or "mujoco" in str(gym.spec(env_id).entry_point)
+    """dm_control, Meta-World, Gymnasium's MuJoCo envs and any env of your own that subclasses Gymnasium's MujocoEnv."""
+    if env_id.startswith(("dm_control/", METAWORLD_PREFIX)):
+        return True
+    entry_point = gym.spec(registered_id(env_id)).entry_point
+    if "mujoco" in str(entry_point):
+        return True
+    try:
+        creator = gym.envs.registration.load_env_creator(entry_point) if isinstance(entry_point, str) else entry_point
+        from gymnasium.envs.mujoco import MujocoEnv
+
+        return isinstance(creator, type) and issubclass(creator, MujocoEnv)
+    except Exception:  # noqa: BLE001 (an entry point that does not load is no MuJoCo env)
+        return False
 
 
 def check_can_render(env_id: str, feature: str) -> None:

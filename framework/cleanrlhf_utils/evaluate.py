@@ -8,7 +8,8 @@ import gymnasium as gym
 import numpy as np
 import torch
 
-from .envs import make_env, reached_success, write_mp4
+from .envs import get_physics_state, make_env, reached_success, write_mp4
+from .objectives import Objective, episode_measures, load_objective
 
 
 def log_video(args, video: Path | None, step: int) -> None:
@@ -35,11 +36,14 @@ def evaluate_episodes(
     height: int = 240,
     terminate_when_unhealthy: bool = True,
     task_seed: int | None = None,
+    objective: Objective | None = None,
+    objective_measures: list | None = None,
 ) -> tuple[list[float], list[bool | None]]:
     """True returns of `policy.deterministic_action` over episodes with seeds seed, seed+1, ..., and whether each
     reached info["success"] (None on envs without it); optionally an mp4 of the first. `task_seed`: the Meta-World
     layout to evaluate on (default: seed's). Deterministic actions draw no random numbers, so evaluating leaves
-    training's RNG alone."""
+    training's RNG alone. With an `objective`, each episode's (objective return, objective success) is appended to
+    `objective_measures`, measured on the observations, actions and simulator states the episode went through."""
     render_mode = "rgb_array" if video_path else None
     env = make_env(env_id, seed, render_mode, width, height, terminate_when_unhealthy, task_seed=task_seed)()
     discrete = isinstance(env.action_space, gym.spaces.Discrete)
@@ -48,6 +52,7 @@ def evaluate_episodes(
     for episode in range(episodes):
         obs, _ = env.reset(seed=seed + episode)
         done, total, infos = False, 0.0, []
+        lived = {"obs": [obs], "actions": [], "states": [get_physics_state(env)]} if objective is not None else None
         while not done:
             if video_path and episode == 0:
                 frames.append(env.render())
@@ -58,6 +63,12 @@ def evaluate_episodes(
             total += float(reward)
             infos.append({"success": info["success"]} if "success" in info else {})
             done = terminated or truncated
+            if lived is not None:
+                for key, value in (("obs", obs), ("actions", np.atleast_1d(action)), ("states", get_physics_state(env))):
+                    lived[key].append(value)
+        if lived is not None and objective_measures is not None:
+            arrays = [np.asarray(lived[key], dtype=np.float64) for key in ("obs", "actions", "states")]
+            objective_measures.append(episode_measures(objective, *arrays))
         returns.append(total)
         successes.append(reached_success(infos))
     policy.train()
@@ -77,23 +88,36 @@ class EvalReturn(float):
     """An evaluation's mean return that also carries its success rate (None: the env reports none). A float, so the
     scripts keep it where they kept the return; the run summary and a sweep's pruner read the rate from it."""
 
-    def __new__(cls, mean_return: float, success_rate: float | None = None):
+    def __new__(
+        cls,
+        mean_return: float,
+        success_rate: float | None = None,
+        objective_return: float | None = None,
+        objective_success: float | None = None,
+    ):
         value = super().__new__(cls, mean_return)
         value.success_rate = success_rate
+        value.objective_return, value.objective_success = objective_return, objective_success  # --teacher-objective's
         return value
 
 
 def success_summary(last_eval: float) -> dict:
     """{"final_success_rate": ...} from the last evaluation, on envs that report success (else nothing)."""
-    rate = getattr(last_eval, "success_rate", None)
-    return {} if rate is None else {"final_success_rate": rate}
+    summary = {
+        "final_success_rate": getattr(last_eval, "success_rate", None),
+        "final_objective_return": getattr(last_eval, "objective_return", None),  # --teacher-objective
+        "final_objective_success": getattr(last_eval, "objective_success", None),
+    }
+    return {key: value for key, value in summary.items() if value is not None}
 
 
 def evaluate_and_log(policy, args, writer, video_dir: Path, device, step: int, on_evaluation: Callable | None = None) -> EvalReturn:
     """One evaluation (args.evaluation_episodes episodes on seeds from args.seed + 100000, on the layout of the
     run's seed) logged to TensorBoard (and its video to W&B): eval/mean_return, and eval/success_rate on envs that
-    report success; `on_evaluation(step, mean_return)` lets a sweep see it and prune the run."""
+    report success, eval/objective_return (and eval/objective_success) with --teacher-objective; `on_evaluation(step,
+    mean_return)` lets a sweep see it and prune the run."""
     video = video_dir / f"eval_step_{step}.mp4" if args.capture_video else None
+    objective, measures = load_objective(getattr(args, "teacher_objective", "")), []
     returns, successes = evaluate_episodes(
         policy,
         args.env_id,
@@ -105,12 +129,21 @@ def evaluate_and_log(policy, args, writer, video_dir: Path, device, step: int, o
         args.video_height,
         args.terminate_when_unhealthy,
         task_seed=args.seed,
+        objective=objective,
+        objective_measures=measures,
     )
-    result = EvalReturn(float(np.mean(returns)), success_rate(successes))
+    objective_return = float(np.mean([ret for ret, _ in measures])) if measures else None
+    objective_successes = [success for _, success in measures if success is not None]
+    objective_success = float(np.mean(objective_successes)) if objective_successes else None
+    result = EvalReturn(float(np.mean(returns)), success_rate(successes), objective_return, objective_success)
     writer.add_scalar("eval/mean_return", float(result), step)
     writer.add_scalar("eval/std_return", float(np.std(returns)), step)
     if result.success_rate is not None:
         writer.add_scalar("eval/success_rate", result.success_rate, step)
+    if objective_return is not None:
+        writer.add_scalar("eval/objective_return", objective_return, step)
+    if objective_success is not None:
+        writer.add_scalar("eval/objective_success", objective_success, step)
     log_video(args, video, step)
     if on_evaluation is not None:
         on_evaluation(step, result)

@@ -1,0 +1,283 @@
+"""Objectives: what the synthetic teacher prefers instead of the environment's reward (`--teacher-objective NAME`).
+
+Preference-based RL exists for behaviours nobody writes a reward for: a Hopper backflip, an Ant holding one leg up, a
+windmill turned one way. An objective is the simulated person's intent: the synthetic teacher labels a pair by the
+objective's (discounted) segment return, with the same beta/gamma/eps noise model it applies to the env's reward;
+every evaluation also measures it (eval/objective_return, eval/objective_success) and summary.json carries it. In
+human mode an objective is only measured, never used for labels.
+
+The data of this module, one owner: OBJECTIVES (name -> Objective). Each built-in's docstring says what it rewards and
+how its success is counted.
+
+Your own objective: `--teacher-objective my_module:my_function`, where my_module is importable (on PYTHONPATH or
+installed) and
+
+    def my_function(obs, actions, states) -> rewards
+        obs:     float array [n_segments, segment_len, obs_dim]     observations (the one each action was taken in)
+        actions: float array [n_segments, segment_len, action_dim]  actions
+        states:  float array [n_segments, segment_len, state_dim]   simulator state behind each observation (MuJoCo:
+                 mj_getState's mjSTATE_FULLPHYSICS, i.e. [time, qpos, qvel, act, ...]; width 0 for envs without one)
+        returns: float array [n_segments, segment_len], the objective's reward of every step
+
+It must be vectorised over segments and steps (numpy on whole arrays: it labels thousands of segments at once) and
+must not depend on which steps are masked (masked steps' rewards are zeroed after it). Optional attributes on the
+function: `success(obs, actions, states) -> [n]` (one value per episode, given whole episodes [n, T + 1, ...] with
+the final observation and a zero action appended: evaluation logs its mean as eval/objective_success), `envs` (a
+tuple of env names without version, e.g. ("Hopper",): any other env is refused) and `settings` ({Args field: value}
+the run needs). examples/objectives/my_objective.py is a complete example.
+"""
+
+import dataclasses
+import importlib
+import inspect
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .errors import ConfigError, need
+
+Array = np.ndarray
+
+
+@dataclass(frozen=True)
+class Objective:
+    name: str
+    """the --teacher-objective value that chose it"""
+    reward: Callable[[Array, Array, Array], Array]
+    """(obs, actions, states) [n, L, ...] -> per-step reward [n, L]"""
+    success: Callable[[Array, Array, Array], Array] | None = None
+    """whole episodes [n, T + 1, ...] -> success measure [n]; None: the objective has none"""
+    envs: tuple[str, ...] = ()
+    """env names (registry id without version and module) it applies to; empty: any env"""
+    settings: dict = field(default_factory=dict)
+    """Args field -> value the behaviour needs (set unless the command line contradicts it)"""
+
+    @property
+    def description(self) -> str:
+        return inspect.getdoc(self.reward) or ""
+
+
+# ----------------------------------------------------------------------------------------
+# MuJoCo full-physics state layout: [time, qpos (nq), qvel (nv), ...]
+# ----------------------------------------------------------------------------------------
+def qpos(states: Array, nq: int) -> Array:
+    return states[..., 1 : 1 + nq]
+
+
+def qvel(states: Array, nq: int, nv: int) -> Array:
+    return states[..., 1 + nq : 1 + nq + nv]
+
+
+# --- Hopper: qpos = [x, z, pitch, thigh, leg, foot] (nq = nv = 6) ---
+HOPPER_NQ = 6
+HOPPER_PITCH = 2
+"""the torso's rooty angle: MuJoCo keeps a hinge's angle unwrapped; positive pitches forward, a backflip turns it by -2 pi"""
+
+
+def hopper_backflip(obs: Array, actions: Array, states: Array) -> Array:
+    """Backward rotation of the Hopper's torso: each step's reward is the backward pitch rate (rad/s, -d pitch / dt),
+    so a segment's return is proportional to how far it turned backwards. Success: completed backflips per episode,
+    floor(max(0, pitch_start - pitch_end) / 2 pi) on the unwrapped pitch angle (net backward rotation). Needs
+    --no-terminate-when-unhealthy (set for you): Gymnasium's Hopper ends an episode once the torso tilts by 0.2 rad."""
+    return -qvel(states, HOPPER_NQ, HOPPER_NQ)[..., HOPPER_PITCH]
+
+
+def hopper_backflips(obs: Array, actions: Array, states: Array) -> Array:
+    pitch = qpos(states, HOPPER_NQ)[..., HOPPER_PITCH]
+    return np.floor(np.maximum(0.0, pitch[:, 0] - pitch[:, -1]) / (2 * np.pi))
+
+
+# --- HalfCheetah: qpos = [x, z, pitch, 6 joints] (nq = 9), qvel[0] = forward velocity ---
+def halfcheetah_backward(obs: Array, actions: Array, states: Array) -> Array:
+    """Running backwards: each step's reward is the HalfCheetah's backward velocity (m/s, -dx/dt), no control cost.
+    Success: the mean backward speed over the episode (m/s; the env's forward runners score negative)."""
+    return -qvel(states, 9, 9)[..., 0]
+
+
+def halfcheetah_backward_speed(obs: Array, actions: Array, states: Array) -> Array:
+    return halfcheetah_backward(obs, actions, states)[:, :-1].mean(1)
+
+
+# --- Ant: qpos = [x, y, z, quaternion (w, x, y, z), hip_1, ankle_1, ..., hip_4, ankle_4] (nq = 15) ---
+ANT_NQ = 15
+ANT_FOOT_HEIGHT = 0.5
+"""metres: the raised foot's tip counts as high above this"""
+
+
+def _rotation(axis, angle: Array) -> Array:
+    """Rotation matrices [..., 3, 3] about a fixed axis by angles [...] (Rodrigues)."""
+    x, y, z = np.asarray(axis, dtype=np.float64) / np.linalg.norm(axis)
+    k = np.array([[0.0, -z, y], [z, 0.0, -x], [-y, x, 0.0]])
+    c, s = np.cos(angle)[..., None, None], np.sin(angle)[..., None, None]
+    return np.eye(3) + s * k + (1 - c) * (k @ k)
+
+
+def _quaternion_matrix(q: Array) -> Array:
+    w, x, y, z = np.moveaxis(q / np.linalg.norm(q, axis=-1, keepdims=True), -1, 0)
+    rows = (
+        (1 - 2 * (y * y + z * z), 2 * (x * y - z * w), 2 * (x * z + y * w)),
+        (2 * (x * y + z * w), 1 - 2 * (x * x + z * z), 2 * (y * z - x * w)),
+        (2 * (x * z - y * w), 2 * (y * z + x * w), 1 - 2 * (x * x + y * y)),
+    )
+    return np.stack([np.stack(row, -1) for row in rows], -2)
+
+
+def ant_front_left_foot(states: Array) -> tuple[Array, Array]:
+    """Forward kinematics of Gymnasium's Ant, vectorised: the front-left foot's tip height [...] and the torso's
+    up-vector z component [...] (1 upright, -1 upside down). Matches MuJoCo's geom positions to float precision."""
+    q = qpos(states, ANT_NQ)
+    rotation = _quaternion_matrix(q[..., 3:7])
+    hip, ankle = q[..., 7], q[..., 8]
+    link = np.array([0.2, 0.2, 0.0])
+    foot = _rotation([-1, 1, 0], ankle) @ np.array([0.4, 0.4, 0.0])
+    local = link + np.einsum("...ij,...j->...i", _rotation([0, 0, 1], hip), link + foot)
+    tip = q[..., :3] + np.einsum("...ij,...j->...i", rotation, local)
+    return tip[..., 2], rotation[..., 2, 2]
+
+
+def ant_raise_leg(obs: Array, actions: Array, states: Array) -> Array:
+    """The Ant holds its front-left foot high while its torso stays up: each step's reward is the foot tip's height
+    (metres) while the torso is upright (up-vector z > 0.5 and torso height > 0.3 m), else -1. Success: the share of
+    the episode's steps with the foot above 0.5 m and the torso upright."""
+    height, up = ant_front_left_foot(states)
+    upright = (up > 0.5) & (qpos(states, ANT_NQ)[..., 2] > 0.3)
+    return np.where(upright, height, -1.0)
+
+
+def ant_leg_raised_share(obs: Array, actions: Array, states: Array) -> Array:
+    height, up = ant_front_left_foot(states)
+    raised = (height > ANT_FOOT_HEIGHT) & (up > 0.5) & (qpos(states, ANT_NQ)[..., 2] > 0.3)
+    return raised[:, :-1].mean(1)
+
+
+# --- the example windmill (cleanrlhf_utils.example_envs.windmill): qpos = [angle], qvel = [angular velocity] ---
+def windmill_clockwise(obs: Array, actions: Array, states: Array) -> Array:
+    """The windmill's rotor turning clockwise (as the camera sees it): each step's reward is its clockwise angular
+    velocity (rad/s). Success: the share of the episode's steps turning clockwise (angular velocity > 0.1 rad/s)."""
+    return qvel(states, 1, 1)[..., 0]
+
+
+def windmill_counterclockwise(obs: Array, actions: Array, states: Array) -> Array:
+    """The windmill's rotor turning counter-clockwise (as the camera sees it): each step's reward is its
+    counter-clockwise angular velocity (rad/s). Success: the share of the episode's steps turning counter-clockwise
+    (angular velocity < -0.1 rad/s)."""
+    return -qvel(states, 1, 1)[..., 0]
+
+
+def _turning_share(direction: float) -> Callable[[Array, Array, Array], Array]:
+    def share(obs: Array, actions: Array, states: Array) -> Array:
+        return (direction * qvel(states, 1, 1)[..., 0] > 0.1)[:, :-1].mean(1)
+
+    return share
+
+
+OBJECTIVES: dict[str, Objective] = {
+    "hopper-backflip": Objective("hopper-backflip", hopper_backflip, hopper_backflips, ("Hopper",), {"terminate_when_unhealthy": False}),
+    "ant-raise-leg": Objective("ant-raise-leg", ant_raise_leg, ant_leg_raised_share, ("Ant",)),
+    "halfcheetah-backward": Objective("halfcheetah-backward", halfcheetah_backward, halfcheetah_backward_speed, ("HalfCheetah",)),
+    "windmill-clockwise": Objective("windmill-clockwise", windmill_clockwise, _turning_share(1.0), ("Windmill",)),
+    "windmill-counterclockwise": Objective("windmill-counterclockwise", windmill_counterclockwise, _turning_share(-1.0), ("Windmill",)),
+}
+
+
+# ----------------------------------------------------------------------------------------
+# Resolving --teacher-objective
+# ----------------------------------------------------------------------------------------
+def load_objective(name: str) -> Objective | None:
+    """The objective --teacher-objective names (None: the env's own reward), or ConfigError in one line."""
+    if not name:
+        return None
+    if name in OBJECTIVES:
+        return OBJECTIVES[name]
+    if ":" not in name:
+        raise ConfigError(f"--teacher-objective {name} is not a built-in objective (known: {', '.join(OBJECTIVES)}) nor module:function")
+    module_name, _, function_name = name.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as error:  # noqa: BLE001 (the user's module: any failure is said in one line)
+        raise ConfigError(f"--teacher-objective {name}: module {module_name} does not import ({type(error).__name__}: {error})") from None
+    function = getattr(module, function_name, None)
+    need(callable(function), f"--teacher-objective {name}: module {module_name} has no function {function_name}")
+    try:
+        inspect.signature(function).bind(None, None, None)
+    except (TypeError, ValueError):
+        raise ConfigError(
+            f"--teacher-objective {name}: {function_name} must take (obs, actions, states) and return per-step rewards [n, L]"
+        ) from None
+    success = getattr(function, "success", None)
+    return Objective(name, function, success, tuple(getattr(function, "envs", ())), dict(getattr(function, "settings", {})))
+
+
+def env_name(env_id: str) -> str:
+    """Hopper for Hopper-v5, Windmill for cleanrlhf_utils.example_envs.windmill:Windmill-v0."""
+    from gymnasium.envs.registration import parse_env_id
+
+    return parse_env_id(env_id.rpartition(":")[2])[1]
+
+
+def apply_objective(args, argv: list[str] | None = None) -> Objective | None:
+    """Validate --teacher-objective against the run's settings and set what it needs: an objective for another env,
+    or a setting the command line contradicts, is a ConfigError (one line). `argv`: the command line (default
+    sys.argv), where a flag given explicitly wins over the objective's need, and is therefore refused."""
+    objective = load_objective(getattr(args, "teacher_objective", ""))
+    if objective is None:
+        return None
+    name = env_name(args.env_id)
+    need(
+        not objective.envs or name in objective.envs,
+        f"--teacher-objective {objective.name} is for {' / '.join(objective.envs)}, not --env-id {args.env_id}",
+    )
+    argv = sys.argv if argv is None else argv
+    for setting, value in objective.settings.items():
+        if getattr(args, setting, value) == value:
+            continue
+        flag = "--" + setting.replace("_", "-")
+        given = any(token == flag or token.startswith(flag + "=") for token in argv)
+        need(not given, f"--teacher-objective {objective.name} needs {setting}={value}: drop {flag}")
+        if dataclasses.is_dataclass(args) and hasattr(args, setting):
+            setattr(args, setting, value)
+    return objective
+
+
+def check_objective(objective: Objective, obs_dim: int, action_dim: int, state_dim: int) -> None:
+    """Call the objective once on zeros of the run's shapes: a function that fails or returns the wrong shape is
+    refused before training starts, in one line."""
+    shapes = (2, 3)
+    probe = (np.zeros((*shapes, obs_dim)), np.zeros((*shapes, action_dim)), np.zeros((*shapes, state_dim)))
+    try:
+        rewards = np.asarray(objective.reward(*probe), dtype=np.float64)
+    except Exception as error:  # noqa: BLE001 (the user's function: any failure is said in one line)
+        raise ConfigError(
+            f"--teacher-objective {objective.name} fails on (obs, actions, states) of shapes [n, L, {obs_dim}], [n, L, {action_dim}], "
+            f"[n, L, {state_dim}] ({type(error).__name__}: {error})"
+        ) from None
+    need(
+        rewards.shape == shapes,
+        f"--teacher-objective {objective.name} must return per-step rewards of shape [n, L] = {list(shapes)}, got {list(rewards.shape)}",
+    )
+
+
+def segment_rewards(objective: Objective, segments: dict, obs_dim: int) -> Array:
+    """The objective's per-step rewards of a feedback session's pairs (obs_actions, physics_states (N, 2, L, ...),
+    masks (N, 2, L)): (N, 2, L), zero on masked steps. One vectorised call for the whole session."""
+    obs_actions, states = segments["obs_actions"], segments["physics_states"]
+    n, pair, length = obs_actions.shape[:3]
+    flat = (n * pair, length)
+    rewards = objective.reward(
+        obs_actions[..., :obs_dim].reshape(*flat, obs_dim),
+        obs_actions[..., obs_dim:].reshape(*flat, -1),
+        states.reshape(*flat, states.shape[-1]),
+    )
+    return np.asarray(rewards, dtype=np.float64).reshape(n, pair, length) * segments["masks"]
+
+
+def episode_measures(objective: Objective, obs: Array, actions: Array, states: Array) -> tuple[float, float | None]:
+    """One evaluation episode's objective return and success measure (None when the objective has none). obs and
+    states hold T + 1 rows (the final observation too), actions T."""
+    actions = np.concatenate([actions, np.zeros((1, actions.shape[-1]))])[None]
+    obs, states = obs[None], states[None]
+    ret = float(np.asarray(objective.reward(obs, actions, states))[0, :-1].sum())
+    success = None if objective.success is None else float(np.asarray(objective.success(obs, actions, states))[0])
+    return ret, success

@@ -1,0 +1,213 @@
+"""--teacher-objective: the synthetic teacher prefers what the objective rewards; the built-ins measure what their
+docstrings say (a planted backflip counts one flip, the windmill's direction has a sign, the Ant's foot height is
+MuJoCo's); bad input is one line and exit 2."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import gymnasium as gym
+import numpy as np
+import pytest
+
+from cleanrlhf_utils import objectives
+from cleanrlhf_utils.buffers import ReplayBuffer
+from cleanrlhf_utils.envs import get_physics_state, make_env
+from cleanrlhf_utils.errors import ConfigError
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = REPO_ROOT / "examples" / "objectives"
+WINDMILL = "cleanrlhf_utils.example_envs.windmill:Windmill-v0"
+
+
+def hopper_states(pitch: np.ndarray, pitch_rate: np.ndarray) -> np.ndarray:
+    """Hopper full-physics states [..., 13] = [time, qpos (6), qvel (6)] with the given pitch and pitch rate."""
+    states = np.zeros((*pitch.shape, 13))
+    states[..., 1 + 1] = 1.25
+    states[..., 1 + objectives.HOPPER_PITCH] = pitch
+    states[..., 1 + 6 + objectives.HOPPER_PITCH] = pitch_rate
+    return states
+
+
+def test_planted_backflip_counts_exactly_one_flip():
+    flips = objectives.OBJECTIVES["hopper-backflip"].success
+    length = 200
+    pitch = np.stack(
+        [
+            np.linspace(0, -2 * np.pi - 0.1, length),  # through -2 pi: one backflip
+            np.linspace(0, -2 * np.pi + 0.1, length),  # not quite round
+            np.linspace(0, 2 * np.pi + 0.1, length),  # a front flip is no backflip
+            np.linspace(0.05, -4 * np.pi - 0.2, length),  # two
+        ]
+    )
+    states = hopper_states(pitch, np.gradient(pitch, axis=1) / 0.008)
+    assert flips(None, None, states).tolist() == [1.0, 0.0, 0.0, 2.0]
+
+
+def test_hopper_pitch_is_read_from_the_real_simulator_state():
+    """The layout the objective reads ([time, qpos, qvel]) is MuJoCo's, on the real env: a state at pitch -7 rad (past
+    one backflip) with a backward pitch rate reads as such."""
+    env = make_env("Hopper-v5", 0, terminate_when_unhealthy=False)()
+    env.reset(seed=0)
+    qpos, qvel = env.unwrapped.init_qpos.copy(), env.unwrapped.init_qvel.copy()
+    start = get_physics_state(env)
+    qpos[2], qvel[2] = -7.0, -3.0
+    env.unwrapped.set_state(qpos, qvel)
+    states = np.stack([start, get_physics_state(env)])[None]
+    env.close()
+    assert objectives.hopper_backflip(None, None, states)[0, 1] == pytest.approx(3.0)
+    assert objectives.hopper_backflips(None, None, states).tolist() == [1.0]
+
+
+def test_labels_prefer_the_segment_that_does_more_of_the_objective(algo):
+    """Pairs of Hopper segments, one rotating backwards faster than the other: the synthetic teacher with
+    hopper-backflip prefers the faster backward rotation every time, whichever side it is on (the env's reward, zero
+    here, would tie them all)."""
+    rng = np.random.default_rng(0)
+    n, length, obs_dim, action_dim = 64, 20, 11, 3
+    rates = rng.uniform(-5, 5, size=(n, 2))
+    pitch = rates[..., None] * np.linspace(0, 1, length)
+    segments = {
+        "obs_actions": rng.normal(size=(n, 2, length, obs_dim + action_dim)).astype(np.float32),
+        "masks": np.ones((n, 2, length), dtype=bool),
+        "true_rewards": np.zeros((n, 2, length), dtype=np.float32),
+        "physics_states": hopper_states(pitch, np.repeat(rates[..., None], length, axis=-1)),
+    }
+    rb = ReplayBuffer(10, obs_dim, action_dim, 13)
+    teacher = algo.SyntheticTeacher(-1.0, 1.0, 0.0, 0.0, 0.0, seed=0, rb=rb, objective=objectives.OBJECTIVES["hopper-backflip"])
+    labels, annotators = teacher.label(segments, 1)
+    backward_second = -rates[:, 1] > -rates[:, 0]
+    assert labels.tolist() == backward_second.astype(np.float32).tolist()
+    assert annotators == ["synthetic"] * n
+
+
+@pytest.mark.parametrize("torque", [1.0, -1.0])
+def test_windmill_objectives_have_the_rotation_sign(torque):
+    """Driven with +1 the rotor turns clockwise: windmill-clockwise is positive and counter-clockwise negative;
+    driven with -1, the reverse. Their success measure is the share of time turning their way."""
+    env = make_env(WINDMILL, 0)()
+    env.reset(seed=0)
+    states, rewards = [get_physics_state(env)], []
+    for _ in range(60):
+        _, reward, *_ = env.step(np.array([torque], dtype=np.float32))
+        states.append(get_physics_state(env)), rewards.append(reward)
+    env.close()
+    states = np.asarray(states)[None]
+    clockwise = objectives.OBJECTIVES["windmill-clockwise"]
+    counter = objectives.OBJECTIVES["windmill-counterclockwise"]
+    assert set(rewards) == {0.0}  # no reward at all
+    assert np.sign(clockwise.reward(None, None, states)[0, 1:].sum()) == np.sign(torque)
+    assert np.sign(counter.reward(None, None, states)[0, 1:].sum()) == -np.sign(torque)
+    mostly, hardly = (clockwise, counter) if torque > 0 else (counter, clockwise)
+    assert mostly.success(None, None, states)[0] > 0.8 > 0.1 > hardly.success(None, None, states)[0]
+
+
+def test_ant_foot_height_is_mujocos():
+    """ant-raise-leg's vectorised forward kinematics gives the foot tip MuJoCo computes, in random poses."""
+    env = gym.make("Ant-v5").unwrapped
+    env.reset(seed=0)
+    rng = np.random.default_rng(1)
+    ours, theirs = [], []
+    for _ in range(5):
+        qpos = env.init_qpos.copy()
+        qpos[:3] = rng.uniform(-1, 1, 3)
+        qpos[3:7] = rng.normal(size=4)
+        qpos[3:7] /= np.linalg.norm(qpos[3:7])
+        qpos[7:] = rng.uniform(-1.5, 1.5, 8)
+        env.set_state(qpos, env.init_qvel)
+        geom = env.model.geom("left_ankle_geom").id
+        ends = env.data.geom_xpos[geom] + np.outer([1, -1], env.data.geom_xmat[geom].reshape(3, 3)[:, 2] * env.model.geom_size[geom][1])
+        theirs.append(ends[:, 2])
+        ours.append(objectives.ant_front_left_foot(get_physics_state(env))[0])
+    env.close()
+    assert any(np.allclose(ours, np.asarray(theirs)[:, side]) for side in (0, 1))
+
+
+def test_example_objective_loads_and_runs(monkeypatch):
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    objective = objectives.load_objective("my_objective:hop_high")
+    assert objective.envs == ("Hopper",) and objective.success is not None
+    objectives.check_objective(objective, 11, 3, 13)
+
+
+class Settings:
+    """The few Args fields apply_objective reads."""
+
+    def __init__(self, env_id: str, teacher_objective: str, terminate_when_unhealthy: bool = True):
+        self.env_id, self.teacher_objective, self.terminate_when_unhealthy = env_id, teacher_objective, terminate_when_unhealthy
+
+
+def test_backflip_turns_unhealthy_termination_off_unless_the_command_line_asks_for_it():
+    import sac_rlhf
+
+    args = sac_rlhf.Args(env_id="Hopper-v5", teacher_objective="hopper-backflip")
+    objectives.apply_objective(args, argv=["sac_rlhf.py"])
+    assert args.terminate_when_unhealthy is False
+    args = sac_rlhf.Args(env_id="Hopper-v5", teacher_objective="hopper-backflip")
+    with pytest.raises(ConfigError, match="needs terminate_when_unhealthy=False: drop --terminate-when-unhealthy"):
+        objectives.apply_objective(args, argv=["sac_rlhf.py", "--terminate-when-unhealthy"])
+
+
+@pytest.mark.parametrize(
+    ("env_id", "name", "message"),
+    [
+        ("Hopper-v5", "backflip", "is not a built-in objective (known: hopper-backflip, ant-raise-leg, halfcheetah-backward"),
+        ("Hopper-v5", "no_such_module_xyz:f", "module no_such_module_xyz does not import (ModuleNotFoundError"),
+        ("Hopper-v5", "my_objective:missing", "module my_objective has no function missing"),
+        ("Hopper-v5", "my_objective:HOPPER_NQ", "has no function HOPPER_NQ"),
+        ("Hopper-v5", "json:dumps", "must take (obs, actions, states)"),
+        ("HalfCheetah-v5", "hopper-backflip", "hopper-backflip is for Hopper, not --env-id HalfCheetah-v5"),
+        (WINDMILL, "ant-raise-leg", "ant-raise-leg is for Ant, not --env-id " + WINDMILL),
+    ],
+)
+def test_bad_objectives_are_refused_in_one_line(monkeypatch, env_id, name, message):
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    with pytest.raises(ConfigError) as error:
+        objectives.apply_objective(Settings(env_id, name), argv=[])
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_objective_of_the_wrong_shape_is_refused():
+    def per_segment(obs, actions, states):
+        return states.sum((-1, -2))
+
+    with pytest.raises(ConfigError, match=r"must return per-step rewards of shape \[n, L\]"):
+        objectives.check_objective(objectives.Objective("mine:per_segment", per_segment), 3, 1, 4)
+
+    def broken(obs, actions, states):
+        return obs[..., 99]
+
+    with pytest.raises(ConfigError, match="fails on .*IndexError"):
+        objectives.check_objective(objectives.Objective("mine:broken", broken), 3, 1, 4)
+
+
+@pytest.mark.parametrize("script", ["sac_rlhf.py", "pref_ppo.py"])
+def test_command_line_refuses_an_unknown_objective_with_exit_2(tmp_path, script):
+    env = dict(os.environ, MUJOCO_GL="egl", WANDB_MODE="offline")
+    command = [sys.executable, str(REPO_ROOT / "framework" / script), "--env-id", "Hopper-v5", "--teacher-objective", "salto"]
+    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2, result.stderr
+    assert len(lines) == 1 and "salto" in lines[0] and "hopper-backflip" in lines[0], lines
+
+
+def test_labelling_a_session_is_cheap():
+    """The cost the objective adds to a feedback session: 1000 pairs of 50-step Ant segments (the heaviest built-in,
+    forward kinematics) in well under a second."""
+    import time
+
+    rng = np.random.default_rng(0)
+    n, length = 1000, 50
+    states = np.zeros((n, 2, length, 1 + 15 + 14))
+    states[..., 1 + 3] = 1.0  # identity quaternion
+    states[..., 1 + 7 :] = rng.uniform(-1, 1, (n, 2, length, 22))
+    segments = {
+        "obs_actions": np.zeros((n, 2, length, 105 + 8), np.float32),
+        "masks": np.ones((n, 2, length), bool),
+        "physics_states": states,
+    }
+    start = time.perf_counter()
+    rewards = objectives.segment_rewards(objectives.OBJECTIVES["ant-raise-leg"], segments, 105)
+    assert rewards.shape == (n, 2, length)
+    assert time.perf_counter() - start < 2.0
