@@ -451,11 +451,9 @@ class TwinQNetwork(nn.Module):
         return self.net(x.unsqueeze(0).expand(2, -1, -1)).squeeze(-1)
 
 
-LOG_STD_MAX = 2
-LOG_STD_MIN = -5
-
-
 class Actor(nn.Module):
+    log_std_min, log_std_max = -5, 2  # the policy's log standard deviation lies in this range
+
     def __init__(self, obs_dim: int, action_low: np.ndarray, action_high: np.ndarray, hidden_dim: int = 256, hidden_layers: int = 2):
         super().__init__()
         layers, width = [], obs_dim
@@ -473,7 +471,7 @@ class Actor(nn.Module):
         x = self.trunk(x)
         mean = self.fc_mean(x)
         log_std = torch.tanh(self.fc_logstd(x))
-        log_std = LOG_STD_MIN + 0.5 * (LOG_STD_MAX - LOG_STD_MIN) * (log_std + 1)  # From SpinUp / Denis Yarats
+        log_std = self.log_std_min + 0.5 * (self.log_std_max - self.log_std_min) * (log_std + 1)  # From SpinUp / Denis Yarats
         return mean, log_std
 
     def get_action(self, x):
@@ -507,7 +505,7 @@ def adam(params, lr: float, args: SACArgs) -> torch.optim.Adam:
 class SACAgent:
     """Actor, twin critics with targets, and the (autotuned) entropy coefficient."""
 
-    def __init__(self, obs_dim: int, action_space: gym.spaces.Box, args: Args, device: torch.device):
+    def __init__(self, obs_dim: int, action_space: gym.spaces.Box, args: SACArgs, device: torch.device):
         self.args, self.device = args, device
         self.obs_dim, self.action_dim = obs_dim, int(np.prod(action_space.shape))
         self.actor = Actor(obs_dim, action_space.low, action_space.high, args.actor_hidden_dim, args.actor_hidden_layers).to(device)
