@@ -298,14 +298,16 @@ def get_physics_state(env: gym.Env) -> np.ndarray:
         return state
     if getattr(unwrapped, "state", None) is not None:  # classic control keeps its whole state in `state`
         return np.array(unwrapped.state, dtype=np.float64).ravel()
-    name = unwrapped.spec.id if unwrapped.spec is not None else type(unwrapped).__name__
-    raise ConfigError(
-        f"--env-id {name} exposes no simulator state (MuJoCo, dm_control or a classic-control `state`) to store segments with"
-    )
+    # Any other Gymnasium env: nothing to store (width 0). It still trains with the synthetic teacher and a label file;
+    # human mode refuses it (connect_human_teacher: clips are re-rendered from states), and a checkpoint cannot restore it.
+    return np.zeros(0, dtype=np.float64)
 
 
 def set_physics_state(env: gym.Env, state: np.ndarray) -> None:
     unwrapped = env.unwrapped
+    if np.asarray(state).size == 0:
+        name = unwrapped.spec.id if unwrapped.spec is not None else type(unwrapped).__name__
+        raise ConfigError(f"--env-id {name} exposes no simulator state (MuJoCo, dm_control or a classic-control `state`) to restore")
     if hasattr(unwrapped, "physics"):
         with unwrapped.physics.reset_context():
             unwrapped.physics.set_state(state)

@@ -21,7 +21,7 @@ import numpy as np
 
 from . import protocol
 from .checkpoints import training_state
-from .envs import SegmentRenderer, check_can_render, segment_frames, write_mp4
+from .envs import SegmentRenderer, check_can_render, get_physics_state, make_env, segment_frames, write_mp4
 from .errors import need
 
 
@@ -712,6 +712,15 @@ def read_label_file(path: str | Path) -> tuple[dict, np.ndarray]:
 def connect_human_teacher(args, run_name: str, run_dir: Path, clip_dir: Path) -> HumanTeacher:
     """A HumanTeacher for this run: the feedback server (started as a child process with
     --feedback-server-autostart when none answers there), this run registered on it, and a renderer for clips."""
+    probe = make_env(args.env_id, args.seed)()
+    stateless = get_physics_state(probe).size == 0
+    probe.close()
+    need(
+        not stateless,
+        f"--teacher-feedback-mode human: --env-id {args.env_id} exposes no simulator state (MuJoCo's model and data, dm_control's "
+        "physics or a classic-control `state`), and the page's clips are re-rendered from states; train it with the synthetic "
+        "teacher or --teacher-feedback-mode file",
+    )
     server_process = None
     token = args.feedback_server_token or os.environ.get(protocol.TOKEN_ENV) or None
     if args.feedback_server_autostart:
