@@ -211,3 +211,41 @@ def test_labelling_a_session_is_cheap():
     rewards = objectives.segment_rewards(objectives.OBJECTIVES["ant-raise-leg"], segments, 105)
     assert rewards.shape == (n, 2, length)
     assert time.perf_counter() - start < 2.0
+
+
+def write_objective_run(root: Path, name: str, returns: list[float], objective: list[float] | None) -> None:
+    import json
+
+    from torch.utils.tensorboard import SummaryWriter
+
+    run_dir = root / name
+    writer = SummaryWriter(str(run_dir))
+    for step, value in enumerate(returns):
+        writer.add_scalar("eval/mean_return", value, step * 100)
+        if objective is not None:
+            writer.add_scalar("eval/objective_return", objective[step], step * 100)
+    writer.close()
+    summary = {"final_eval_return": returns[-1], "global_step": 100 * (len(returns) - 1)}
+    if objective is not None:
+        summary["final_objective_return"] = objective[-1]
+    (run_dir / "summary.json").write_text(json.dumps(summary))
+    (run_dir / "args.json").write_text(json.dumps({"seed": 1, "exp_name": name}))
+
+
+def test_toolbox_compares_the_objective_or_the_return(tmp_path):
+    """toolbox/compare.py --metric objective_return compares what the objective measured; the default still compares
+    the env's return; a run without the objective is refused in one line."""
+    sys.path.insert(0, str(REPO_ROOT / "toolbox"))
+    import compare
+
+    write_objective_run(tmp_path / "runs", "flip", [0.0, 0.0, 0.0], [1.0, 5.0, 25.0])
+    write_objective_run(tmp_path / "runs", "still", [0.0, 0.0, 0.0], [1.0, 2.0, 3.0])
+    write_objective_run(tmp_path / "plain", "plain", [1.0, 2.0, 7.0], None)
+    base = dict(bootstrap_reps=50)
+    by_objective = compare.main(compare.Args([str(tmp_path / "runs")], out=str(tmp_path / "a"), metric="objective_return", **base))
+    groups = {row["group"]: row["final_return"] for row in by_objective["rows"] if row["run"]}
+    assert groups == {"flip": 25.0, "still": 3.0}
+    by_return = compare.main(compare.Args([str(tmp_path / "runs")], out=str(tmp_path / "b"), **base))
+    assert {row["final_return"] for row in by_return["rows"]} == {0.0}
+    with pytest.raises(compare.CompareError, match="plain logged no eval/objective_return"):
+        compare.main(compare.Args([str(tmp_path / "plain")], out=str(tmp_path / "c"), metric="objective_return", **base))

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 from urllib.parse import quote
 
 import numpy as np
@@ -72,6 +73,35 @@ class Args:
     """bootstrap resamples for every confidence interval (rliable's own default is 50,000: raise it for a paper)"""
     confidence: float = 0.95
     """coverage of the confidence intervals and bands"""
+    metric: Literal["return", "objective_return", "objective_success"] = "return"
+    """what is compared: `return`, the evaluation return on the env's reward (eval/mean_return); `objective_return` or
+    `objective_success`, the --teacher-objective's measures of the same evaluations (eval/objective_return,
+    eval/objective_success; summary.json's final_objective_return / final_objective_success)"""
+
+
+METRICS = {
+    "return": (EVAL_TAG, "final_eval_return", "evaluation return (true reward)"),
+    "objective_return": ("eval/objective_return", "final_objective_return", "evaluation objective return"),
+    "objective_success": ("eval/objective_success", "final_objective_success", "evaluation objective success"),
+}
+"""--metric -> (TensorBoard tag, summary.json key, axis label)"""
+
+
+def select_metric(runs: list["Run"], metric: str) -> None:
+    """Compare `metric` instead of the env's return: each run's curve and final value of it take the place of the
+    return's (the rest of the report reads those). A run that never logged it is refused: the objective's measures
+    exist only in runs trained with --teacher-objective."""
+    tag, key, _ = METRICS[metric]
+    if metric == "return":
+        return
+    missing = [run.name for run in runs if tag not in run.scalars and not (run.summary and key in run.summary)]
+    if missing:
+        raise CompareError(f"--metric {metric}: {', '.join(missing)} logged no {tag} (train with --teacher-objective to measure it)")
+    for run in runs:
+        if tag in run.scalars:
+            run.scalars[EVAL_TAG] = run.scalars[tag]
+        if run.summary is not None:
+            run.summary["final_eval_return"] = run.summary.get(key, math.nan)
 
 
 class CompareError(ValueError):
@@ -458,7 +488,7 @@ def plot_return_vs_steps(stats: list[GroupStats], palette, args: Args, path: Pat
             xlabel="environment steps", ylabel="success rate", title="Evaluation success rate vs environment steps", ylim=(-0.05, 1.05)
         )
     else:
-        axis.set(xlabel="environment steps", ylabel="evaluation return (true reward)", title="Evaluation return vs environment steps")
+        axis.set(xlabel="environment steps", ylabel=METRICS[args.metric][2], title="Evaluation return vs environment steps")
     _finish(axis, args)
     return save(figure, path)
 
@@ -492,7 +522,7 @@ def plot_return_vs_labels(stats: list[GroupStats], palette, args: Args, path: Pa
             palette[entry.name],
             _legend(entry),
         )
-    axis.set(xlabel="labels obtained", ylabel="evaluation return (true reward)", title="Evaluation return vs labels obtained")
+    axis.set(xlabel="labels obtained", ylabel=METRICS[args.metric][2], title="Evaluation return vs labels obtained")
     _finish(axis, args)
     return save(figure, path)
 
@@ -894,6 +924,7 @@ def main(args: Args) -> dict:
     if args.bootstrap_reps < 1 or not 0 < args.confidence < 1:
         raise CompareError(f"--bootstrap-reps must be >= 1 and --confidence in (0, 1), got {args.bootstrap_reps} and {args.confidence}")
     runs = load_runs(args.runs)
+    select_metric(runs, args.metric)
     groups = assign_groups(runs, args.group_by, args.group_pattern)
     chosen_videos, video_note = choose_videos(runs, args)  # before the statistics, so a bad --video-runs fails fast
     stats = group_statistics(runs, groups, args.bootstrap_reps, args.confidence, args.seed)
@@ -912,7 +943,7 @@ def main(args: Args) -> dict:
     improvements = [f"P({x} > {y}) = {point:.2f} [{low:.2f}, {high:.2f}]" for x, y, (point, low, high) in pairs]
     meta = [
         f"{len(runs)} runs in {len(groups)} groups (by {grouping}); bootstrap: {args.bootstrap_reps} resamples, seed {args.seed}, "
-        f"{args.confidence:.0%} intervals.",
+        f"{args.confidence:.0%} intervals; metric: {METRICS[args.metric][2]}.",
         *(["Probability of improvement: " + "; ".join(improvements)] if improvements else []),
     ]
     notes = [
