@@ -11,7 +11,8 @@ from .evaluate import success_summary
 
 
 def default_run_name(args) -> str:
-    return f"{args.env_id.replace('/', '_')}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    env = args.env_id.rpartition(":")[2].replace("/", "_")  # my_package.my_module:MyEnv-v0 -> MyEnv-v0
+    return f"{env}__{args.exp_name}__{args.seed}__{int(time.time())}"
 
 
 SECRET_ARGS = ("feedback_server_token",)
