@@ -56,7 +56,7 @@ def test_hopper_pitch_is_read_from_the_real_simulator_state():
     env.unwrapped.set_state(qpos, qvel)
     states = np.stack([start, get_physics_state(env)])[None]
     env.close()
-    assert objectives.hopper_backflip(None, None, states)[0, 1] == pytest.approx(3.0)
+    assert objectives.hopper_backflip(None, None, states)[0, 1] == pytest.approx(3.0 * objectives.HOPPER_DT)  # radians per step
     assert objectives.hopper_backflips(None, None, states).tolist() == [1.0]
 
 

@@ -74,14 +74,16 @@ def qvel(states: Array, nq: int, nv: int) -> Array:
 HOPPER_NQ = 6
 HOPPER_PITCH = 2
 """the torso's rooty angle: MuJoCo keeps a hinge's angle unwrapped; positive pitches forward, a backflip turns it by -2 pi"""
+HOPPER_DT = 0.008
+"""seconds per env step of Gymnasium's Hopper (frame_skip 4 x timestep 0.002)"""
 
 
 def hopper_backflip(obs: Array, actions: Array, states: Array) -> Array:
-    """Backward rotation of the Hopper's torso: each step's reward is the backward pitch rate (rad/s, -d pitch / dt),
-    so a segment's return is proportional to how far it turned backwards. Success: completed backflips per episode,
+    """Backward rotation of the Hopper's torso: each step's reward is the backward rotation over the step (radians,
+    -d pitch/dt x dt), so a return is how far the torso turned backwards (2 pi per backflip). Success: completed backflips per episode,
     floor(max(0, pitch_start - pitch_end) / 2 pi) on the unwrapped pitch angle (net backward rotation). Needs
     --no-terminate-when-unhealthy (set for you): Gymnasium's Hopper ends an episode once the torso tilts by 0.2 rad."""
-    return -qvel(states, HOPPER_NQ, HOPPER_NQ)[..., HOPPER_PITCH]
+    return -qvel(states, HOPPER_NQ, HOPPER_NQ)[..., HOPPER_PITCH] * HOPPER_DT
 
 
 def hopper_backflips(obs: Array, actions: Array, states: Array) -> Array:
@@ -153,17 +155,21 @@ def ant_leg_raised_share(obs: Array, actions: Array, states: Array) -> Array:
 
 
 # --- the example windmill (cleanrlhf_utils.example_envs.windmill): qpos = [angle], qvel = [angular velocity] ---
+WINDMILL_DT = 0.04
+"""seconds per env step of the windmill (frame_skip 4 x timestep 0.01)"""
+
+
 def windmill_clockwise(obs: Array, actions: Array, states: Array) -> Array:
     """The windmill's rotor turning clockwise (as the camera sees it): each step's reward is its clockwise angular
-    velocity (rad/s). Success: the share of the episode's steps turning clockwise (angular velocity > 0.1 rad/s)."""
-    return qvel(states, 1, 1)[..., 0]
+    velocity times the step's duration (radians turned clockwise). Success: the share of the episode's steps turning clockwise (angular velocity > 0.1 rad/s)."""
+    return qvel(states, 1, 1)[..., 0] * WINDMILL_DT
 
 
 def windmill_counterclockwise(obs: Array, actions: Array, states: Array) -> Array:
     """The windmill's rotor turning counter-clockwise (as the camera sees it): each step's reward is its
-    counter-clockwise angular velocity (rad/s). Success: the share of the episode's steps turning counter-clockwise
+    counter-clockwise angular velocity times the step's duration (radians turned counter-clockwise). Success: the share of the episode's steps turning counter-clockwise
     (angular velocity < -0.1 rad/s)."""
-    return -qvel(states, 1, 1)[..., 0]
+    return -qvel(states, 1, 1)[..., 0] * WINDMILL_DT
 
 
 def _turning_share(direction: float) -> Callable[[Array, Array, Array], Array]:
