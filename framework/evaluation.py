@@ -14,6 +14,7 @@ from cleanrlhf_utils.cli import cli
 from cleanrlhf_utils.envs import check_env_id
 from cleanrlhf_utils.errors import ConfigError
 from cleanrlhf_utils.evaluate import evaluate_episodes, success_rate
+from cleanrlhf_utils.objectives import load_objective
 from cleanrlhf_utils.training import set_torch_threads
 from sac import Actor, make_env
 
@@ -44,6 +45,9 @@ class Args:
     terminate_when_unhealthy: bool | None = None
     """end episodes when the robot falls (default: as the model was trained; a run with --no-terminate-when-unhealthy
     is evaluated without that termination)"""
+    objective: str | None = None
+    """also measure this --teacher-objective (a built-in name or module:function; default: the one the model was
+    trained with, if any; '' measures none)"""
 
 
 def load_actor(path: str | Path, env_id: str | None = None) -> tuple[torch.nn.Module, str]:
@@ -78,7 +82,9 @@ def main(args: Args) -> dict:
     if terminate_when_unhealthy is None:
         terminate_when_unhealthy = trained_with.get("terminate_when_unhealthy", True) or env_id != trained_with["env_id"]
     task_seed = trained_with["seed"] if env_id == trained_with["env_id"] else None  # Meta-World: the layout it was trained on
-    returns, successes = [], []
+    objective_name = trained_with.get("teacher_objective", "") if args.objective is None else args.objective
+    objective = load_objective(objective_name) if objective_name else None
+    returns, successes, measures = [], [], []
     for episode in range(args.episodes):
         video = Path(args.video_dir) / f"episode_{episode}.mp4" if args.capture_video else None
         episode_returns, episode_successes = evaluate_episodes(
@@ -92,6 +98,8 @@ def main(args: Args) -> dict:
             args.video_height,
             terminate_when_unhealthy,
             task_seed,
+            objective=objective,
+            objective_measures=measures,
         )
         returns, successes = returns + episode_returns, successes + episode_successes
     result = {
@@ -104,7 +112,16 @@ def main(args: Args) -> dict:
     rate = success_rate(successes)
     if rate is not None:  # envs that report success (Meta-World): the metric their papers give
         result |= {"success_rate": rate, "successes": successes}
+    if objective is not None:  # what --teacher-objective measured, per episode
+        result |= {"objective": objective.name, "objective_returns": [ret for ret, _ in measures]}
+        result["objective_return"] = float(np.mean(result["objective_returns"]))
+        if objective.success is not None:
+            result["objective_success"] = float(np.mean([success for _, success in measures]))
     success = "" if rate is None else f", success rate {rate:.2f}"
+    if objective is not None:
+        success += f", {objective.name} return {result['objective_return']:.2f}" + (
+            f" (success {result['objective_success']:.2f})" if "objective_success" in result else ""
+        )
     print(f"{env_id}: {result['mean_return']:.1f} ± {result['std_return']:.1f} over {args.episodes} episodes{success}")
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(result, indent=2))

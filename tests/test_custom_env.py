@@ -135,6 +135,12 @@ def test_sac_rlhf_trains_on_the_windmill_with_an_objective(chdir_tmp):
     assert summary["final_eval_return"] == 0.0 and summary["labels_obtained"] > 0
     assert "final_objective_return" in summary and "final_objective_success" in summary
 
+    import evaluation  # the standalone evaluation measures the objective the model was trained with
+
+    result = evaluation.main(evaluation.Args(path_to_model="models/windmill_sac/latest", episodes=2))
+    assert result["env_id"] == WINDMILL and result["mean_return"] == 0.0
+    assert result["objective"] == "windmill-clockwise" and len(result["objective_returns"]) == 2 and 0 <= result["objective_success"] <= 1
+
 
 def test_baseline_ppo_runs_a_module_env_id(chdir_tmp):
     import ppo
