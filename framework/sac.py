@@ -22,6 +22,7 @@ from cleanrlhf_utils.cli import cli
 from cleanrlhf_utils.envs import autoreset_pending, check_env_id, get_physics_state, physics_state_size
 from cleanrlhf_utils.errors import need
 from cleanrlhf_utils.evaluate import evaluate_and_log, success_summary
+from cleanrlhf_utils.objectives import ObjectiveReward, apply_objective
 from cleanrlhf_utils.tracking import announce_run, default_run_name, progress_bar, start_logging, stop_logging, write_summary
 from cleanrlhf_utils.training import frozen, seed_everything
 
@@ -366,15 +367,19 @@ class Args(SACArgs):
 
     exp_name: str = "sac"
     """the name of this experiment (part of the run name)"""
+    reward_objective: str = ""
+    """train on this objective's reward instead of the env's (a --teacher-objective name or module:function): the
+    ceiling of a preference run on that objective; evaluations log eval/objective_return beside the env's return"""
 
 
 def main(args: Args, on_evaluation: Callable[[int, float], None] | None = None) -> dict:
     """Train and return the run's summary. `on_evaluation(step, mean_return)`, if given, is called after every
     evaluation (a sweep uses it to report intermediate results and prune hopeless trials: what it raises ends the run)."""
     validate_sac_args(args)
+    objective = apply_objective(args, field="reward_objective")  # sets what it needs, e.g. no unhealthy termination
+    thunk = make_env(args.env_id, args.seed, args.render_mode, args.video_width, args.video_height, args.terminate_when_unhealthy)
     envs = gym.vector.SyncVectorEnv(
-        [make_env(args.env_id, args.seed, args.render_mode, args.video_width, args.video_height, args.terminate_when_unhealthy)],
-        autoreset_mode=gym.vector.AutoresetMode.NEXT_STEP,
+        [thunk if objective is None else ObjectiveReward(thunk, objective)], autoreset_mode=gym.vector.AutoresetMode.NEXT_STEP
     )
     run_name = args.run_name or default_run_name(args)
     run_dir, model_dir, video_dir = Path("runs") / run_name, Path("models") / run_name, Path("videos") / run_name

@@ -203,3 +203,24 @@ def test_default_run_name_of_a_module_env_id_is_the_env_id_alone():
     from cleanrlhf_utils.tracking import default_run_name
 
     assert default_run_name(SimpleNamespace(env_id=WINDMILL, exp_name="sac_rlhf", seed=1)).startswith("Windmill-v0__sac_rlhf__1__")
+
+
+def test_sac_baseline_trains_on_the_objective_as_its_reward(chdir_tmp):
+    """sac.py --reward-objective: the ceiling of a preference run. Its env's reward is the objective's per step (the
+    windmill's own 0 kept in info), and its evaluations measure the objective beside the env's return."""
+    import sac
+    from cleanrlhf_utils.objectives import OBJECTIVES, ObjectiveReward
+
+    env = ObjectiveReward(make_env(WINDMILL, 0), OBJECTIVES["windmill-clockwise"])()
+    env.reset(seed=0)
+    steps = [env.step(np.array([1.0], dtype=np.float32)) for _ in range(20)]
+    env.close()
+    assert sum(reward for _, reward, *_ in steps) > 0 and {info["env_reward"] for *_, info in steps} == {0.0}
+
+    args = sac.Args(
+        env_id=WINDMILL, reward_objective="windmill-clockwise", total_timesteps=400, learning_starts=200, batch_size=32,
+        actor_hidden_dim=32, critic_hidden_dim=32, evaluation_frequency=0, evaluation_episodes=1, torch_threads=1,
+        cuda=False, progress_bar=False,
+    )  # fmt: skip
+    summary = sac.main(args)
+    assert summary["final_eval_return"] == 0.0 and "final_objective_return" in summary

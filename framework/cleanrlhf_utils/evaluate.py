@@ -117,7 +117,7 @@ def evaluate_and_log(policy, args, writer, video_dir: Path, device, step: int, o
     report success, eval/objective_return (and eval/objective_success) with --teacher-objective; `on_evaluation(step,
     mean_return)` lets a sweep see it and prune the run."""
     video = video_dir / f"eval_step_{step}.mp4" if args.capture_video else None
-    objective, measures = load_objective(getattr(args, "teacher_objective", "")), []
+    objective, measures = load_objective(getattr(args, "teacher_objective", "") or getattr(args, "reward_objective", "")), []
     returns, successes = evaluate_episodes(
         policy,
         args.env_id,

@@ -191,27 +191,25 @@ OBJECTIVES: dict[str, Objective] = {
 # ----------------------------------------------------------------------------------------
 # Resolving --teacher-objective
 # ----------------------------------------------------------------------------------------
-def load_objective(name: str) -> Objective | None:
-    """The objective --teacher-objective names (None: the env's own reward), or ConfigError in one line."""
+def load_objective(name: str, flag: str = "--teacher-objective") -> Objective | None:
+    """The objective `flag` names (None: the env's own reward), or ConfigError in one line."""
     if not name:
         return None
     if name in OBJECTIVES:
         return OBJECTIVES[name]
     if ":" not in name:
-        raise ConfigError(f"--teacher-objective {name} is not a built-in objective (known: {', '.join(OBJECTIVES)}) nor module:function")
+        raise ConfigError(f"{flag} {name} is not a built-in objective (known: {', '.join(OBJECTIVES)}) nor module:function")
     module_name, _, function_name = name.partition(":")
     try:
         module = importlib.import_module(module_name)
     except Exception as error:  # noqa: BLE001 (the user's module: any failure is said in one line)
-        raise ConfigError(f"--teacher-objective {name}: module {module_name} does not import ({type(error).__name__}: {error})") from None
+        raise ConfigError(f"{flag} {name}: module {module_name} does not import ({type(error).__name__}: {error})") from None
     function = getattr(module, function_name, None)
-    need(callable(function), f"--teacher-objective {name}: module {module_name} has no function {function_name}")
+    need(callable(function), f"{flag} {name}: module {module_name} has no function {function_name}")
     try:
         inspect.signature(function).bind(None, None, None)
     except (TypeError, ValueError):
-        raise ConfigError(
-            f"--teacher-objective {name}: {function_name} must take (obs, actions, states) and return per-step rewards [n, L]"
-        ) from None
+        raise ConfigError(f"{flag} {name}: {function_name} must take (obs, actions, states) and return per-step rewards [n, L]") from None
     success = getattr(function, "success", None)
     return Objective(name, function, success, tuple(getattr(function, "envs", ())), dict(getattr(function, "settings", {})))
 
@@ -223,25 +221,26 @@ def env_name(env_id: str) -> str:
     return parse_env_id(env_id.rpartition(":")[2])[1]
 
 
-def apply_objective(args, argv: list[str] | None = None) -> Objective | None:
-    """Validate --teacher-objective against the run's settings and set what it needs: an objective for another env,
-    or a setting the command line contradicts, is a ConfigError (one line). `argv`: the command line (default
-    sys.argv), where a flag given explicitly wins over the objective's need, and is therefore refused."""
-    objective = load_objective(getattr(args, "teacher_objective", ""))
+def apply_objective(args, argv: list[str] | None = None, field: str = "teacher_objective") -> Objective | None:
+    """Validate --teacher-objective (or the objective flag of Args `field`) against the run's settings and set what it
+    needs: an objective for another env, or a setting the command line contradicts, is a ConfigError (one line).
+    `argv`: the command line (default sys.argv), where a flag given explicitly wins over the objective's need, and is
+    therefore refused."""
+    objective = load_objective(getattr(args, field, ""), "--" + field.replace("_", "-"))
     if objective is None:
         return None
-    name = env_name(args.env_id)
+    name, flag = env_name(args.env_id), "--" + field.replace("_", "-")
     need(
         not objective.envs or name in objective.envs,
-        f"--teacher-objective {objective.name} is for {' / '.join(objective.envs)}, not --env-id {args.env_id}",
+        f"{flag} {objective.name} is for {' / '.join(objective.envs)}, not --env-id {args.env_id}",
     )
     argv = sys.argv if argv is None else argv
     for setting, value in objective.settings.items():
         if getattr(args, setting, value) == value:
             continue
-        flag = "--" + setting.replace("_", "-")
-        given = any(token == flag or token.startswith(flag + "=") for token in argv)
-        need(not given, f"--teacher-objective {objective.name} needs {setting}={value}: drop {flag}")
+        setting_flag = "--" + setting.replace("_", "-")
+        given = any(token == setting_flag or token.startswith(setting_flag + "=") for token in argv)
+        need(not given, f"{flag} {objective.name} needs {setting}={value}: drop {setting_flag}")
         if dataclasses.is_dataclass(args) and hasattr(args, setting):
             setattr(args, setting, value)
     return objective
@@ -287,3 +286,35 @@ def episode_measures(objective: Objective, obs: Array, actions: Array, states: A
     ret = float(np.asarray(objective.reward(obs, actions, states))[0, :-1].sum())
     success = None if objective.success is None else float(np.asarray(objective.success(obs, actions, states))[0])
     return ret, success
+
+
+class ObjectiveReward:
+    """A thunk's env with the objective's per-step reward instead of its own (kept in info["env_reward"]): SAC trained
+    on it (sac.py --reward-objective) is the ceiling a preference run on that objective is measured against."""
+
+    def __init__(self, thunk: Callable, objective: Objective):
+        self.thunk, self.objective = thunk, objective
+
+    def __call__(self):
+        import gymnasium as gym
+
+        from .envs import get_physics_state
+
+        objective = self.objective
+
+        class Wrapper(gym.Wrapper):
+            def reset(self, **kwargs):
+                obs, info = self.env.reset(**kwargs)
+                self.last_obs = obs
+                return obs, info
+
+            def step(self, action):
+                state = get_physics_state(self.env)[None, None]
+                before = np.asarray(self.last_obs, dtype=np.float64)[None, None]
+                obs, reward, terminated, truncated, info = self.env.step(action)
+                self.last_obs = obs
+                actions = np.asarray(action, dtype=np.float64).reshape(1, 1, -1)
+                value = float(np.asarray(objective.reward(before, actions, state))[0, 0])
+                return obs, value, terminated, truncated, info | {"env_reward": reward}
+
+        return Wrapper(self.thunk())
