@@ -1,0 +1,140 @@
+"""Novel behaviours from labels: PEBBLE (sac_rlhf.py) with the synthetic teacher on a --teacher-objective, where the
+environment's reward says nothing about the behaviour (the windmill's is 0 at every step), seeds side by side with one
+torch thread each.
+
+    python bench/novel_behaviours.py                                   # windmill, both directions, seeds 1 2 3, 50 labels
+    python bench/novel_behaviours.py --behaviour hopper-backflip --steps 300000 --labels 1000 --seeds 1 2 3 \\
+        --output bench/results/novel_behaviours_hopper_backflip.json
+
+Reports per run and as medians per objective: the final evaluation's objective return and objective success (windmill:
+the share of evaluation time turning the preferred way; Hopper: completed backflips per episode), the env's own return
+(0 by design on the windmill), and the labels used. The ceiling is the best the objective allows, measured on the same
+evaluation seeds: on the windmill, full motor torque the preferred way at every step (what SAC on the objective as its
+reward converges to); other behaviours have no scripted ceiling here (SAC on the objective as reward is the next step).
+Target (issue 26): windmill, after <= 50 labels, >= 95 % of evaluation time turning the preferred way, both directions,
+3 seeds.
+"""
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+from common import REPO, machine_info, print_table, read_summary, run_pool, start_script, write_json
+
+WINDMILL = "cleanrlhf_utils.example_envs.windmill:Windmill-v0"
+BEHAVIOURS = {
+    "windmill": (WINDMILL, ["windmill-clockwise", "windmill-counterclockwise"]),
+    "hopper-backflip": ("Hopper-v5", ["hopper-backflip"]),
+    "ant-raise-leg": ("Ant-v5", ["ant-raise-leg"]),
+    "halfcheetah-backward": ("HalfCheetah-v5", ["halfcheetah-backward"]),
+}
+EVALUATION_EPISODES = 5
+
+
+def windmill_ceiling(objective_name: str, seed: int) -> dict:
+    """Full torque the preferred way at every step, evaluated as the runs are (seeds seed + 100000, ...)."""
+    import torch
+
+    from cleanrlhf_utils.evaluate import evaluate_episodes
+    from cleanrlhf_utils.objectives import OBJECTIVES
+
+    direction = 1.0 if objective_name == "windmill-clockwise" else -1.0
+
+    class FullTorque(torch.nn.Module):
+        def deterministic_action(self, obs):
+            return torch.full((obs.shape[0], 1), direction)
+
+    measures = []
+    evaluate_episodes(
+        FullTorque(),
+        WINDMILL,
+        EVALUATION_EPISODES,
+        seed + 100_000,
+        "cpu",
+        objective=OBJECTIVES[objective_name],
+        objective_measures=measures,
+    )
+    return {
+        "ceiling_objective_return": statistics.mean(ret for ret, _ in measures),
+        "ceiling_objective_success": statistics.mean(success for _, success in measures),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--behaviour", choices=list(BEHAVIOURS), default="windmill")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument("--steps", type=int, default=3000, help="environment steps per run")
+    parser.add_argument("--labels", type=int, default=50, help="label budget per run")
+    parser.add_argument("--explore-steps", type=int, default=1000)
+    parser.add_argument("--feedback-frequency", type=int, default=500)
+    parser.add_argument("--queries-per-session", type=int, default=10)
+    parser.add_argument("--evaluation-frequency", type=int, default=1000)
+    parser.add_argument("--parallel", type=int, default=2)
+    parser.add_argument("--workdir", type=Path, default=REPO / "bench" / "workdir" / "novel_behaviours")
+    parser.add_argument("--output", type=Path, default=REPO / "bench" / "results" / "novel_behaviours_windmill.json")
+    args = parser.parse_args()
+
+    env_id, objective_names = BEHAVIOURS[args.behaviour]
+    stamp = int(time.time())
+    jobs = []
+    for objective_name in objective_names:
+        for seed in args.seeds:
+            run_name = f"{args.behaviour}__{objective_name}__{seed}__{stamp}"
+            flags = [
+                "--env-id", env_id, "--teacher-objective", objective_name, "--seed", str(seed), "--run-name", run_name,
+                "--total-timesteps", str(args.steps), "--total-explore-steps", str(args.explore_steps),
+                "--learning-starts", str(min(1000, args.explore_steps)), "--teacher-feedback-total-queries", str(args.labels),
+                "--teacher-feedback-num-queries-per-session", str(args.queries_per_session),
+                "--teacher-feedback-frequency", str(args.feedback_frequency), "--evaluation-frequency", str(args.evaluation_frequency),
+                "--evaluation-episodes", str(EVALUATION_EPISODES), "--torch-threads", "1", "--no-cuda",
+            ]  # fmt: skip
+            jobs.append((objective_name, seed, run_name, flags))
+    started = time.time()
+    run_pool(
+        [
+            lambda flags=flags, name=name: start_script("sac_rlhf.py", flags, args.workdir, log=args.workdir / f"{name}.log")
+            for *_, name, flags in jobs
+        ],
+        [name for *_, name, _ in jobs],
+        args.parallel,
+    )
+    rows = []
+    for objective_name, seed, run_name, _ in jobs:
+        summary = read_summary(args.workdir, run_name)
+        row = {
+            "objective": objective_name, "seed": seed, "steps": summary["global_step"], "labels": summary["labels_obtained"],
+            "env_return": summary["final_eval_return"], "objective_return": summary.get("final_objective_return"),
+            "objective_success": summary.get("final_objective_success"), "wall_seconds": round(summary["wall_seconds"], 1),
+        }  # fmt: skip
+        if args.behaviour == "windmill":
+            row |= windmill_ceiling(objective_name, seed)
+            row["return_ratio"] = row["objective_return"] / row["ceiling_objective_return"]
+        rows.append(row)
+    medians = []
+    for objective_name in objective_names:
+        mine = [row for row in rows if row["objective"] == objective_name]
+        medians.append(
+            {"objective": objective_name, "seeds": len(mine)}
+            | {
+                key: statistics.median(row[key] for row in mine)
+                for key in mine[0]
+                if key not in ("objective", "seed") and mine[0][key] is not None
+            }
+        )
+    columns = ["objective", "seed", "labels", "env_return", "objective_return", "objective_success", "wall_seconds"]
+    print_table(rows, columns + (["return_ratio"] if args.behaviour == "windmill" else []))
+    output = args.output if args.output.is_absolute() else REPO / args.output
+    command = "python bench/novel_behaviours.py " + " ".join(
+        [f"--behaviour {args.behaviour}", "--seeds " + " ".join(map(str, args.seeds)), f"--steps {args.steps}", f"--labels {args.labels}"]
+        + [f"--output {output.relative_to(REPO)}"]
+    )
+    write_json(
+        output,
+        {"command": command, "machine": machine_info(), "wall_seconds": round(time.time() - started, 1), "rows": rows, "medians": medians},
+    )
+
+
+if __name__ == "__main__":
+    main()
