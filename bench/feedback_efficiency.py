@@ -99,6 +99,17 @@ def variant_flags(variant: str, env_id: str) -> list[str]:
     return [*VARIANTS[variant], *(flag for flags in suite for flag in flags)]
 
 
+# The teacher's noise (B-Pref's mistake and beta-rational models) and the label-noise defence, passed to the preference
+# run as they are: a noisy teacher's cost is the return against the same setting with the oracle (the defaults).
+TEACHER_FLAGS = {"teacher_eps_mistake": 0.0, "teacher_beta": -1.0, "robust_labels": "none"}
+
+
+def teacher_flags(args) -> list[str]:
+    """The flags of TEACHER_FLAGS whose value differs from the oracle's, for the preference run."""
+    changed = [(name, getattr(args, name, default)) for name, default in TEACHER_FLAGS.items()]
+    return [token for name, value in changed if value != TEACHER_FLAGS[name] for token in (f"--{name.replace('_', '-')}", str(value))]
+
+
 def pebble_flags(args, seed: int, run_name: str) -> list[str]:
     per_session = max(1, args.labels // args.sessions)
     return [
@@ -108,7 +119,7 @@ def pebble_flags(args, seed: int, run_name: str) -> list[str]:
         "--teacher-feedback-num-queries-per-session", str(per_session),
         "--teacher-feedback-frequency", str(args.feedback_frequency),
         "--evaluation-frequency", str(args.evaluation_frequency), "--evaluation-episodes", str(args.evaluation_episodes),
-        "--checkpoint-frequency", "0", *variant_flags(args.variant, args.env_id),
+        "--checkpoint-frequency", "0", *variant_flags(args.variant, args.env_id), *teacher_flags(args),
     ]  # fmt: skip
 
 
@@ -183,6 +194,9 @@ def main() -> None:
     parser.add_argument("--target-return", type=float, default=None, help="also report the first evaluation step reaching this return")
     parser.add_argument("--seeds", type=int, nargs="+", default=[1])
     parser.add_argument("--variant", choices=sorted(VARIANTS), default="pebble", help="flags the preference-based run adds (VARIANTS)")
+    parser.add_argument("--teacher-eps-mistake", type=float, default=0.0, help="the synthetic teacher flips this share of labels")
+    parser.add_argument("--teacher-beta", type=float, default=-1.0, help="beta-rational teacher (Bradley-Terry sampling); -1: oracle")
+    parser.add_argument("--robust-labels", choices=["none", "smooth", "rime"], default="none", help="the label-noise defence of the run")
     parser.add_argument(
         "--baseline-from", type=Path, nargs="+", default=None,
         help="earlier results JSON of this benchmark: reuse their baseline runs (same env, steps, evaluation) instead of running them",

@@ -129,6 +129,25 @@ def test_feedback_efficiency_variants_are_valid_runs_that_differ_only_as_named()
         assert runs["tuned"].teacher_feedback_schedule == qpa["teacher_feedback_schedule"] == "linear"
 
 
+def test_feedback_efficiency_passes_the_teachers_noise_and_the_defence_to_the_preference_run_only():
+    """--teacher-eps-mistake / --teacher-beta / --robust-labels reach sac_rlhf.py's Args as given (the oracle's values add
+    no flag), and never the baseline's command line (a noisy-teacher run reuses the oracle's SAC baseline)."""
+    script = sweep.load_script("sac-rlhf")
+    oracle = feedback_efficiency.pebble_flags(bench_settings(), 1, "run")
+    assert oracle == feedback_efficiency.pebble_flags(
+        bench_settings(teacher_eps_mistake=0.0, teacher_beta=-1.0, robust_labels="none"), 1, "run"
+    )
+    noisy = bench_settings(teacher_eps_mistake=0.2, teacher_beta=10.0, robust_labels="rime")
+    parsed = tyro.cli(script.Args, args=feedback_efficiency.pebble_flags(noisy, 1, "run"))
+    assert (parsed.teacher_eps_mistake, parsed.teacher_beta, parsed.robust_labels) == (0.2, 10.0, "rime")
+    assert asdict(parsed) == asdict(tyro.cli(script.Args, args=oracle)) | {
+        "teacher_eps_mistake": 0.2,
+        "teacher_beta": 10.0,
+        "robust_labels": "rime",
+    }
+    assert feedback_efficiency.baseline_flags(noisy, 1, "run") == feedback_efficiency.baseline_flags(bench_settings(), 1, "run")
+
+
 def test_throughput_runs_versions_side_by_side_on_one_thread_and_alone_on_more():
     assert throughput.run_groups(1, 0) == throughput.run_groups(1, 1) == [["this", "against"]]
     # With 2 threads each, two runs side by side would oversubscribe 2 cores: one at a time, who goes first alternating.
