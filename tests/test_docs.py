@@ -169,6 +169,9 @@ RUN_BY_TESTS = {
     r"^python framework/sweep\.py --export-best ": "tests/test_sweep.py::test_optuna_sweep_stores_three_trials_and_exports_the_best",
     r"^bash dev/install_test_deps\.sh": "tests/test_newcomer.py::test_install_test_deps_installs_what_is_missing_once_and_says_so",
     r"^python scripts/gen_docs\.py": "tests/test_docs.py::test_the_check_names_a_page_made_stale_by_a_docstring_or_a_result",
+    r"^python framework/sac_rlhf\.py --env-id cleanrlhf_utils\.example_envs\.windmill:Windmill-v0 ": (
+        "tests/test_custom_env.py::test_sac_rlhf_trains_on_the_windmill_with_an_objective"
+    ),
 }
 
 
