@@ -45,6 +45,20 @@ def test_planted_backflip_counts_exactly_one_flip():
     assert flips(None, None, states).tolist() == [1.0, 0.0, 0.0, 2.0]
 
 
+def test_rolling_over_on_the_ground_is_no_backflip():
+    """With termination off a fallen Hopper can roll: a full backward turn with the torso on the ground (0.2 m) scores
+    no reward and no flip; the same turn in the air scores both; a turn half up, half down counts only its upper half."""
+    length = 200
+    pitch = np.linspace(0, -2 * np.pi - 0.3, length)[None].repeat(3, 0)
+    states = hopper_states(pitch, np.gradient(pitch, axis=1) / 0.008)
+    states[0, :, 1 + objectives.HOPPER_Z] = 0.2  # on the ground
+    states[2, length // 2 :, 1 + objectives.HOPPER_Z] = 0.2  # falls halfway through
+    rewards = objectives.hopper_backflip(None, None, states)
+    assert rewards[0].sum() == 0.0 and rewards[1].sum() == pytest.approx(2 * np.pi + 0.3, rel=0.02)
+    assert 0 < rewards[2].sum() < np.pi + 0.3
+    assert objectives.hopper_backflips(None, None, states).tolist() == [0.0, 1.0, 0.0]
+
+
 def test_hopper_pitch_is_read_from_the_real_simulator_state():
     """The layout the objective reads ([time, qpos, qvel]) is MuJoCo's, on the real env: a state at pitch -7 rad (past
     one backflip) with a backward pitch rate reads as such."""

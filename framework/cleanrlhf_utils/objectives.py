@@ -78,17 +78,34 @@ HOPPER_DT = 0.008
 """seconds per env step of Gymnasium's Hopper (frame_skip 4 x timestep 0.002)"""
 
 
+HOPPER_Z = 1
+HOPPER_MIN_HEIGHT = 0.7
+"""rotation counts only while the torso is at least this high (m; Gymnasium's own healthy height for Hopper): with
+termination off, a fallen Hopper rolling over on the ground would otherwise score as flipping"""
+
+
+def hopper_backward_turns(states: Array) -> Array:
+    """Radians the torso turned backwards over each step [n, L] (-d pitch/dt x dt), counted only while it is at least
+    HOPPER_MIN_HEIGHT above the ground."""
+    up = qpos(states, HOPPER_NQ)[..., HOPPER_Z] >= HOPPER_MIN_HEIGHT
+    return -qvel(states, HOPPER_NQ, HOPPER_NQ)[..., HOPPER_PITCH] * HOPPER_DT * up
+
+
 def hopper_backflip(obs: Array, actions: Array, states: Array) -> Array:
-    """Backward rotation of the Hopper's torso: each step's reward is the backward rotation over the step (radians,
-    -d pitch/dt x dt), so a return is how far the torso turned backwards (2 pi per backflip). Success: completed backflips per episode,
-    floor(max(0, pitch_start - pitch_end) / 2 pi) on the unwrapped pitch angle (net backward rotation). Needs
-    --no-terminate-when-unhealthy (set for you): Gymnasium's Hopper ends an episode once the torso tilts by 0.2 rad."""
-    return -qvel(states, HOPPER_NQ, HOPPER_NQ)[..., HOPPER_PITCH] * HOPPER_DT
+    """Backward rotation of the Hopper's torso in the air: each step's reward is the backward rotation over the step
+    (radians, -d pitch/dt x dt) while the torso is at least 0.7 m high (0 below: rolling on the ground is no backflip),
+    so a return is how far the torso turned backwards up there (2 pi per backflip). Success: completed backflips per
+    episode, floor(max(0, net backward turn up there) / 2 pi), the turn summed from the unwrapped pitch angle's change
+    over the steps that start at that height. Needs --no-terminate-when-unhealthy (set for you): Gymnasium's Hopper
+    ends an episode once the torso tilts by 0.2 rad."""
+    return hopper_backward_turns(states)
 
 
 def hopper_backflips(obs: Array, actions: Array, states: Array) -> Array:
     pitch = qpos(states, HOPPER_NQ)[..., HOPPER_PITCH]
-    return np.floor(np.maximum(0.0, pitch[:, 0] - pitch[:, -1]) / (2 * np.pi))
+    up = qpos(states, HOPPER_NQ)[:, :-1, HOPPER_Z] >= HOPPER_MIN_HEIGHT
+    backward = ((pitch[:, :-1] - pitch[:, 1:]) * up).sum(1)  # the unwrapped angle's change, where the step starts up
+    return np.floor(np.maximum(0.0, backward) / (2 * np.pi))
 
 
 # --- HalfCheetah: qpos = [x, z, pitch, 6 joints] (nq = 9), qvel[0] = forward velocity ---
