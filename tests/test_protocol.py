@@ -17,10 +17,9 @@ import pytest
 
 from cleanrlhf_utils import protocol
 from cleanrlhf_utils.feedback import CHOICE_LABELS
+from humanFeedback import feedback_server
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-from humanFeedback import feedback_server  # noqa: E402
 
 ROUTES = {name: value for name, value in vars(protocol).items() if name.isupper() and isinstance(value, str) and value.startswith("/")}
 

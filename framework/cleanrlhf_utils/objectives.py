@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .arguments import given_fields
 from .errors import ConfigError, need
 
 Array = np.ndarray
@@ -251,13 +252,11 @@ def apply_objective(args, argv: list[str] | None = None, field: str = "teacher_o
         not objective.envs or name in objective.envs,
         f"{flag} {objective.name} is for {' / '.join(objective.envs)}, not --env-id {args.env_id}",
     )
-    argv = sys.argv if argv is None else argv
+    given = given_fields(sys.argv[1:] if argv is None else argv, type(args))
     for setting, value in objective.settings.items():
         if getattr(args, setting, value) == value:
             continue
-        setting_flag = "--" + setting.replace("_", "-")
-        given = any(token == setting_flag or token.startswith(setting_flag + "=") for token in argv)
-        need(not given, f"{flag} {objective.name} needs {setting}={value}: drop {setting_flag}")
+        need(setting not in given, f"{flag} {objective.name} needs {setting}={value}: drop --{setting.replace('_', '-')}")
         if dataclasses.is_dataclass(args) and hasattr(args, setting):
             setattr(args, setting, value)
     return objective
