@@ -255,7 +255,8 @@ class PreferenceArgs:
     """what the synthetic teacher prefers instead of the env's reward: a built-in objective (hopper-backflip,
     ant-raise-leg, halfcheetah-backward, windmill-clockwise, windmill-counterclockwise) or your own `module:function`
     (cleanrlhf_utils/objectives.py documents the signature); evaluations log eval/objective_return beside the env's
-    return. Human and file mode only measure it. Empty: the env's reward"""
+    return. Human and file mode only measure it (human: people's agreement with it per session as
+    feedback/objective_agreement, each pair's objective returns in runs/<run>/shown_pairs.jsonl). Empty: the env's reward"""
 
     # --- SURF ---
     surf: bool = True
@@ -1136,8 +1137,9 @@ def make_teacher(args: Args, rb: ReplayBuffer, run_name: str, run_dir: Path, vid
     objective = load_objective(args.teacher_objective)
     if objective is not None:
         check_objective(objective, rb.obs.shape[-1], rb.actions.shape[-1], rb.physics_states.shape[-1])
-    if args.teacher_feedback_mode == "human":
-        return connect_human_teacher(args, run_name, run_dir, video_dir / "clips")
+    if args.teacher_feedback_mode == "human":  # people's answers are only measured against the objective
+        measure = None if objective is None else lambda segments: segment_rewards(objective, segments, rb.obs.shape[-1]).sum(-1)
+        return connect_human_teacher(args, run_name, run_dir, video_dir / "clips", measure)
     if args.teacher_feedback_mode == "file":
         return FileTeacher(args.feedback_file)
     eps = (args.teacher_eps_mistake, args.teacher_eps_skip, args.teacher_eps_equal)
@@ -1673,7 +1675,7 @@ def main(args: Args, on_evaluation: Callable[[int, float], None] | None = None) 
                             loop.learning_from_preferences = True
                         show_reward_model(teacher, reward_model, rb, args, rng, device, step)
                         metrics = reward_model_metrics(reward_model, prefs, rb, args, teacher.labels_are_free, loop.global_step, device)
-                        log_feedback_session(writer, loop, session, reward_stats, metrics)
+                        log_feedback_session(writer, loop, session, reward_stats, metrics, teacher.session_measures())
 
                 # --- 3. the rollout's rewards (learned + RUNE, or the state entropy while exploring), GAE, PPO update ---
                 if loop.learning_from_preferences:

@@ -1,6 +1,7 @@
 """Human feedback end to end: sac_rlhf.py in human mode against a real feedback server, answered by a
 scripted labeller over HTTP; then file mode trains from the labels that run saved."""
 
+import json
 import socket
 import sqlite3
 import threading
@@ -87,6 +88,12 @@ def test_human_mode_receives_exactly_the_labels_given_and_file_mode_reuses_them(
     checkpoint = torch.load("models/human/latest/checkpoint.pt", weights_only=False)
     np.testing.assert_array_equal(checkpoint["preference_buffer"]["labels"], np.array(expected, dtype=np.float32))
     assert checkpoint["teacher"]["cursor"] >= 12
+
+    # Each uploaded pair is logged with its query id and segments' env returns (no objective: none of its returns).
+    shown = [json.loads(line) for line in Path("runs/human/shown_pairs.jsonl").read_text().splitlines()]
+    assert [pair["query_id"] for pair in shown] == list(range(1, 13))
+    assert [(pair["session"], pair["pair"]) for pair in shown] == [(s, i) for s in (1, 2) for i in range(6)]
+    assert all("left_objective_return" not in pair and pair["left_env_return"] != pair["right_env_return"] for pair in shown)
 
     # The server was started by the trainer, logged to the run and stopped at the end.
     assert Path("runs/human/feedback_server.log").is_file()

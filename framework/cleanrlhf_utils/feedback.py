@@ -258,6 +258,11 @@ class Teacher(Protocol):
     def load_state_dict(self, state: dict) -> None:
         pass
 
+    def session_measures(self) -> dict[str, float]:
+        """What the teacher measured about the answers of the session just learned from, logged under feedback/ (e.g.
+        how often people agreed with --teacher-objective); empty by default."""
+        return {}
+
     def close(self) -> None:
         pass
 
@@ -281,8 +286,15 @@ class HumanTeacher(Teacher):
         cursor: int = 0,
         poll_seconds: float = 1.0,
         server_process=None,
+        pair_log: Path | None = None,
+        objective_returns=None,
     ):
         self.client, self.run_id, self.renderer, self.clip_dir, self.fps = client, run_id, renderer, clip_dir, fps
+        # runs/<run>/shown_pairs.jsonl: one line per uploaded pair (query id, segment ids, env returns and, with
+        # --teacher-objective, the objective's returns), so what people answered can be set against what they saw.
+        self.pair_log, self.objective_returns = pair_log, objective_returns  # segments -> (N, 2) objective returns
+        self.shown: dict[int, list[float]] = {}  # query id -> the objective's [left, right] returns (with an objective)
+        self.measured_query_ids: list = []  # the query ids of the latest session that started (session_measures)
         self.cursor, self.poll_seconds = cursor, poll_seconds
         self.server_process = server_process  # the feedback server this teacher started, stopped with it
         self.answers: dict[int, dict] = {}  # query id -> latest answer; survives an interrupted session
@@ -347,10 +359,14 @@ class HumanTeacher(Teacher):
     def _render_and_upload(self, segments: dict, session: int, query_ids: list, stop: threading.Event, errors: list) -> None:
         """The upload thread: pair i's clips, then its query, in order, until every pair is up or `stop` is set."""
         try:
+            env_returns = segments["true_rewards"].sum(-1).tolist()
+            objective = None if self.objective_returns is None else np.asarray(self.objective_returns(segments)).tolist()
             for i, (left_id, right_id) in enumerate(segments["segment_ids"].tolist()):
                 if stop.is_set():
                     return
-                if query_ids[i] is not None:  # uploaded before the run was resumed
+                if query_ids[i] is not None:  # uploaded before the run was resumed (and logged then)
+                    if objective is not None:
+                        self.shown[query_ids[i]] = objective[i]
                     continue
                 stem = f"run{self.run_id}_s{session}_q{i}_{left_id}_{right_id}"
                 clips = {
@@ -365,8 +381,33 @@ class HumanTeacher(Teacher):
                     "session": session,
                 }
                 query_ids[i] = self.client.upload_queries(self.run_id, [query], {path.name: path for path in clips.values()})[0]
+                self.log_shown_pair(query_ids[i], session, i, query, env_returns[i], None if objective is None else objective[i])
         except BaseException as error:  # reported by the waiting thread
             errors.append(error)
+
+    def log_shown_pair(self, query_id: int, session: int, pair: int, query: dict, env_returns: list, objective: list | None) -> None:
+        if objective is not None:
+            self.shown[query_id] = objective
+        if self.pair_log is None:
+            return
+        line = {"query_id": query_id, "session": session, "pair": pair, "left_segment_id": query["left_segment_id"]}
+        line |= {"right_segment_id": query["right_segment_id"], "left_env_return": env_returns[0], "right_env_return": env_returns[1]}
+        if objective is not None:
+            line |= {"left_objective_return": objective[0], "right_objective_return": objective[1]}
+        with open(self.pair_log, "a") as log:  # one line per write: a reader never sees half a pair
+            log.write(json.dumps(line) + "\n")
+
+    def session_measures(self) -> dict[str, float]:
+        """With --teacher-objective: the share of the latest session's left/right answers that prefer the clip with the
+        higher objective return (pairs the objective ties, ties and skips left out), a person's agreement with what the
+        objective says they want."""
+        agree = [
+            (self.answers[qid]["choice"] == "right") == (self.shown[qid][1] > self.shown[qid][0])
+            for qid in self.measured_query_ids
+            if qid in self.answers and qid in self.shown
+            if self.answers[qid]["choice"] in ("left", "right") and self.shown[qid][0] != self.shown[qid][1]
+        ]
+        return {"objective_agreement": float(np.mean(agree))} if agree else {}
 
     def _read_new_answers(self, retry: bool = True) -> None:
         # Without retries (--feedback-async, Ctrl-C) also with the progress client's 2 s timeout: a hung server never
@@ -438,6 +479,7 @@ class HumanTeacher(Teacher):
 
     def finish(self) -> None:
         """The open session is answered: its upload thread (done by now) is told to stop, and the session closed."""
+        self.measured_query_ids = list(self.open["query_ids"]) if self.open else []
         self.stop_upload.set()
         self.open = None
 
@@ -709,9 +751,10 @@ def read_label_file(path: str | Path) -> tuple[dict, np.ndarray]:
     return stacked, np.array([row[0] for row in rows], dtype=np.float32)
 
 
-def connect_human_teacher(args, run_name: str, run_dir: Path, clip_dir: Path) -> HumanTeacher:
+def connect_human_teacher(args, run_name: str, run_dir: Path, clip_dir: Path, objective_returns=None) -> HumanTeacher:
     """A HumanTeacher for this run: the feedback server (started as a child process with
-    --feedback-server-autostart when none answers there), this run registered on it, and a renderer for clips."""
+    --feedback-server-autostart when none answers there), this run registered on it, and a renderer for clips.
+    `objective_returns` (segments -> (N, 2)): --teacher-objective's segment returns, only measured against the answers."""
     probe = make_env(args.env_id, args.seed)()
     stateless = get_physics_state(probe).size == 0
     probe.close()
@@ -732,7 +775,10 @@ def connect_human_teacher(args, run_name: str, run_dir: Path, clip_dir: Path) ->
     meta = {"seed": args.seed, "segment_length": args.segment_length, "instructions": args.feedback_instructions.strip()}
     run_id = client.create_run(run_name, args.env_id, meta | {"clip_fps": fps, "clip_seconds": round(args.segment_length / fps, 3)})
     print(f"feedback server: label at {args.feedback_server_url}/ (run {run_id})")
-    teacher = HumanTeacher(client, run_id, renderer, clip_dir, fps, poll_seconds=args.feedback_poll_seconds, server_process=server_process)
+    teacher = HumanTeacher(
+        client, run_id, renderer, clip_dir, fps, poll_seconds=args.feedback_poll_seconds, server_process=server_process,
+        pair_log=run_dir / "shown_pairs.jsonl", objective_returns=objective_returns,
+    )  # fmt: skip
     # when sessions come, for the page's "next session in about ..." (PrefPPO's come after the rollout that reaches the step)
     teacher.total_steps, teacher.session_frequency = args.total_timesteps, args.teacher_feedback_frequency
     teacher.first_session_step = args.total_explore_steps if args.unsupervised_exploration else getattr(args, "learning_starts", 0)
