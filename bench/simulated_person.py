@@ -1,0 +1,273 @@
+"""A simulated person teaching through the real page: a headless Chromium (Debian's chromium, driven by Playwright)
+opens the labelling page of a real `sac_rlhf.py --teacher-feedback-mode human` run (server autostarted, token on),
+watches each pair for its clip's length plus a drawn 2-5 s, and clicks the clip the objective prefers, with a
+person's noise (B-Pref's eps-mistake and, optionally, beta-rational model), once as by default (the trainer waits for
+each session's answers) and once with --feedback-async. The behaviour is the windmill's direction, which its reward
+(0 at every step) says nothing about.
+
+    python bench/simulated_person.py                                  # windmill clockwise, seeds 1 2 3, sync and async
+    python bench/simulated_person.py --seeds 1 --modes async --objective windmill-counterclockwise
+
+How the person knows what a clip shows: the trainer logs each uploaded pair with its objective returns in
+runs/<run>/shown_pairs.jsonl (what `--teacher-objective` does in human mode); the person reads the query id of the
+pair on screen from the page (#pairs data-query-id) and looks it up there, as a real person would judge the clip.
+
+Reported per run and as medians per mode:
+  first_pair_s          seconds from the trainer's launch to the first pair on screen (exploration steps included)
+  labels_per_min        answers per minute of labelling time (first pair on screen to the last answer)
+  trainer_idle_share    the trainer's time waiting for people (summary.json trainer_idle_seconds) over its wall time
+  person_waiting_share  the person's time between an answer and the next pair on screen, over the labelling time
+  objective_success     the final evaluation's share of time turning the preferred way (the windmill's success)
+  agreement             the person's answers agreeing with the objective (their noise), and the trainer's own
+                        measure of it (feedback/objective_agreement, mean over sessions)
+  exactly_once          every answer clicked arrived in the run exactly once
+Targets (issue 26) with --feedback-async: trainer idle <= 5 % of wall time, person waiting <= 10 % of the labelling
+time, windmill direction learned as in bench/novel_behaviours.py (>= 95 % of evaluation time the preferred way).
+"""
+
+import os
+
+os.environ.setdefault("MUJOCO_GL", "egl")
+
+import argparse
+import json
+import random
+import secrets
+import socket
+import statistics
+import time
+from pathlib import Path
+
+from common import REPO, machine_info, print_table, read_summary, start_script, write_json
+
+CHROMIUM = "/usr/bin/chromium"
+WINDMILL = "cleanrlhf_utils.example_envs.windmill:Windmill-v0"
+TOKEN_ENV = "FEEDBACK_SERVER_TOKEN"  # read by the trainer when no --feedback-server-token is given (kept off command lines)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ShownPairs:
+    """runs/<run>/shown_pairs.jsonl, read as it grows: query id -> the objective's (left, right) returns."""
+
+    def __init__(self, path: Path):
+        self.path, self.offset, self.returns = path, 0, {}
+
+    def lookup(self, query_id: int, timeout: float = 10.0) -> tuple[float, float]:
+        deadline = time.monotonic() + timeout
+        while query_id not in self.returns:
+            if self.path.exists():
+                with open(self.path) as log:
+                    log.seek(self.offset)
+                    for line in iter(log.readline, ""):
+                        if not line.endswith("\n"):  # a line still being written: read it next time
+                            break
+                        self.offset += len(line.encode())
+                        pair = json.loads(line)
+                        self.returns[pair["query_id"]] = (pair["left_objective_return"], pair["right_objective_return"])
+            if query_id in self.returns:
+                break
+            if time.monotonic() > deadline:
+                raise SystemExit(f"pair {query_id} is on the page but not in {self.path} after {timeout:g} s")
+            time.sleep(0.05)
+        return self.returns[query_id]
+
+
+class Person:
+    """Answers by the objective's segment returns: beta-rational (P(right) = sigmoid(beta (R_right - R_left))) when
+    beta >= 0, else the larger return; then flips the answer with probability eps_mistake."""
+
+    def __init__(self, beta: float, eps_mistake: float, delay: tuple[float, float], seed: int):
+        self.beta, self.eps_mistake, self.delay = beta, eps_mistake, delay
+        self.rng = random.Random(seed)
+
+    def choose(self, left: float, right: float) -> str:
+        if self.beta >= 0:
+            z = max(-50.0, min(50.0, self.beta * (right - left)))
+            prefer_right = self.rng.random() < 1.0 / (1.0 + pow(2.718281828459045, -z))
+        else:
+            prefer_right = right > left
+        if self.rng.random() < self.eps_mistake:
+            prefer_right = not prefer_right
+        return "right" if prefer_right else "left"
+
+    def thinking_seconds(self) -> float:
+        return self.rng.uniform(*self.delay)
+
+
+SHOWN_PAIR = "last => { const id = document.querySelector('#pairs').dataset.queryId; return id && id !== last ? id : null; }"
+PLAYING = (
+    "() => { const v = [...document.querySelectorAll('.pair.active video')];"
+    " return v.length === 2 && v.every(x => x.readyState >= 2 && x.duration > 0) ?"
+    " Math.max(...v.map(x => x.duration / (x.playbackRate || 1))) : null; }"
+)
+
+
+def label_through_page(base: str, token: str, trainer, shown: ShownPairs, person: Person, started: float) -> dict:
+    """The person's session: open the page, give a name, then until the trainer exits: wait for a new pair, watch it
+    for its clip's length plus a drawn delay, click. Returns what the person saw and did (times from `started`)."""
+    from playwright.sync_api import Error as PlaywrightError
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+    from playwright.sync_api import sync_playwright
+
+    answers, waits = [], []
+    with sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=CHROMIUM, headless=True, args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"]
+        )
+        page = browser.new_page(viewport={"width": 1100, "height": 800})
+        errors = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        while True:  # the autostarted server comes up with the trainer
+            if trainer.poll() is not None:
+                raise SystemExit(f"the trainer exited ({trainer.returncode}) before its page answered")
+            try:
+                page.goto(f"{base}/?token={token}", timeout=5000)
+                break
+            except PlaywrightError:
+                time.sleep(0.5)
+        page.fill("#annotator-input", "simulated-person")
+        page.click("#name-save")
+        last, answered_at, first_shown = "", None, None
+        while trainer.poll() is None:
+            try:
+                handle = page.wait_for_function(SHOWN_PAIR, arg=last, timeout=1000, polling=50)
+            except PlaywrightTimeout:
+                continue
+            query_id = handle.json_value()
+            now = time.perf_counter() - started
+            if first_shown is None:
+                first_shown = now
+            if answered_at is not None:
+                waits.append(now - answered_at)
+            left, right = shown.lookup(int(query_id))
+            clip_seconds = page.wait_for_function(PLAYING, timeout=10_000, polling=50).json_value()
+            watched_from = time.perf_counter()
+            time.sleep(max(0.0, clip_seconds + person.thinking_seconds() - (time.perf_counter() - watched_from)))
+            choice = person.choose(left, right)
+            page.click(f"button.choice[data-choice={choice}]")
+            answered_at = time.perf_counter() - started
+            agrees = None if left == right else (choice == "right") == (right > left)
+            answers.append({"query_id": int(query_id), "shown_s": round(now, 3), "answered_s": round(answered_at, 3)})
+            answers[-1] |= {"clip_seconds": round(clip_seconds, 3), "choice": choice, "agrees_with_objective": agrees}
+            last = query_id
+        pending = page.evaluate("() => Object.keys(JSON.parse(localStorage.getItem('cleanrlhf.feedback.outbox') || '{}')).length")
+        browser.close()
+    return {"answers": answers, "waits": waits, "first_shown": first_shown, "page_errors": errors, "unsent": pending}
+
+
+def trainer_flags(args, seed: int, run_name: str, base: str, asynchronous: bool) -> list[str]:
+    return [
+        "--env-id", args.env_id, "--teacher-objective", args.objective, "--seed", str(seed), "--run-name", run_name,
+        "--total-timesteps", str(args.steps), "--total-explore-steps", str(args.explore_steps),
+        "--learning-starts", str(min(1000, args.explore_steps)), "--teacher-feedback-total-queries", str(args.labels),
+        "--teacher-feedback-num-queries-per-session", str(args.pairs_per_session), "--teacher-feedback-schedule", "linear",
+        "--teacher-feedback-frequency", str(args.feedback_frequency), "--evaluation-frequency", str(args.evaluation_frequency),
+        "--evaluation-episodes", "5", "--checkpoint-frequency", "0", "--torch-threads", "1", "--no-cuda",
+        "--teacher-feedback-mode", "human", "--feedback-server-url", base, "--feedback-server-autostart",
+        "--feedback-poll-seconds", "0.25", "--feedback-check-clips", "0",
+        *(["--feedback-async", "--feedback-async-poll-steps", str(args.async_poll_steps)] if asynchronous else []),
+    ]  # fmt: skip
+
+
+def trainer_agreement(workdir: Path, run_name: str) -> float | None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(workdir / "runs" / run_name), size_guidance={"scalars": 0})
+    events.Reload()
+    if "feedback/objective_agreement" not in events.Tags()["scalars"]:
+        return None
+    return statistics.mean(e.value for e in events.Scalars("feedback/objective_agreement"))
+
+
+def one_run(args, seed: int, asynchronous: bool) -> dict:
+    mode = "async" if asynchronous else "sync"
+    run_name = f"person_{mode}_{args.objective}_{seed}_{int(time.time())}"
+    base, token = f"http://127.0.0.1:{free_port()}", secrets.token_urlsafe(16)
+    os.environ[TOKEN_ENV] = token
+    started = time.perf_counter()
+    trainer = start_script(
+        "sac_rlhf.py", trainer_flags(args, seed, run_name, base, asynchronous), args.workdir, log=args.workdir / f"{run_name}.log"
+    )
+    try:
+        person = Person(args.person_beta, args.person_eps_mistake, tuple(args.answer_delay), seed)
+        seen = label_through_page(base, token, trainer, ShownPairs(args.workdir / "runs" / run_name / "shown_pairs.jsonl"), person, started)
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+    if trainer.wait() != 0:
+        raise SystemExit(f"the {mode} run failed; see {args.workdir / f'{run_name}.log'}")
+    summary = read_summary(args.workdir, run_name)
+    answers = seen["answers"]
+    labelling = answers[-1]["answered_s"] - seen["first_shown"] if answers else 0.0
+    judged = [a["agrees_with_objective"] for a in answers if a["agrees_with_objective"] is not None]
+    return {
+        "mode": mode, "seed": seed, "run_name": run_name, "labels": len(answers),
+        "labels_obtained": summary["labels_obtained"], "exactly_once": summary["labels_obtained"] == len(answers) and seen["unsent"] == 0,
+        "first_pair_s": seen["first_shown"], "labelling_s": labelling,
+        "labels_per_min": 60 * len(answers) / labelling if labelling else None,
+        "wall_s": summary["wall_seconds"], "trainer_idle_s": summary["trainer_idle_seconds"],
+        "trainer_idle_share": summary["trainer_idle_seconds"] / summary["wall_seconds"],
+        "person_waiting_s": sum(seen["waits"]), "person_waiting_share": sum(seen["waits"]) / labelling if labelling else None,
+        "longest_wait_s": max(seen["waits"], default=0.0),
+        "objective_return": summary.get("final_objective_return"), "objective_success": summary.get("final_objective_success"),
+        "person_agreement": statistics.mean(judged) if judged else None, "trainer_agreement": trainer_agreement(args.workdir, run_name),
+        "page_errors": seen["page_errors"], "answers": answers, "waits": seen["waits"],
+    }  # fmt: skip
+
+
+COLUMNS = ["mode", "seed", "labels", "exactly_once", "first_pair_s", "labels_per_min", "wall_s", "trainer_idle_share"]
+COLUMNS += ["person_waiting_share", "longest_wait_s", "objective_success", "person_agreement", "trainer_agreement"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--env-id", default=WINDMILL)
+    parser.add_argument("--objective", default="windmill-clockwise", help="what the person wants (a --teacher-objective)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument("--modes", nargs="+", choices=["sync", "async"], default=["sync", "async"])
+    parser.add_argument("--steps", type=int, default=12_000, help="environment steps per run")
+    parser.add_argument("--explore-steps", type=int, default=1000)
+    parser.add_argument("--labels", type=int, default=50, help="label budget per run")
+    parser.add_argument("--pairs-per-session", type=int, default=10)
+    parser.add_argument("--feedback-frequency", type=int, default=500, help="steps between sessions (async: at least)")
+    parser.add_argument("--evaluation-frequency", type=int, default=3000)
+    parser.add_argument("--async-poll-steps", type=int, default=20, help="--feedback-async-poll-steps of the async run")
+    parser.add_argument("--answer-delay", type=float, nargs=2, default=[2.0, 5.0], metavar=("MIN", "MAX"),
+                        help="seconds the person thinks after watching a clip once, drawn uniformly")  # fmt: skip
+    parser.add_argument("--person-eps-mistake", type=float, default=0.1, help="share of answers the person gets wrong")
+    parser.add_argument("--person-beta", type=float, default=-1.0, help="beta-rational person on objective returns; -1: off")
+    parser.add_argument("--workdir", type=Path, default=REPO / "bench" / "workdir" / "simulated_person")
+    parser.add_argument("--output", type=Path, default=REPO / "bench" / "results" / "simulated_person_windmill.json")
+    args = parser.parse_args()
+    if not Path(CHROMIUM).exists():
+        raise SystemExit(f"{CHROMIUM} is missing: bash dev/install_test_deps.sh installs it")
+    if not 0 <= args.answer_delay[0] <= args.answer_delay[1]:
+        parser.error(f"--answer-delay {args.answer_delay[0]:g} {args.answer_delay[1]:g}: need 0 <= MIN <= MAX")
+
+    rows = []
+    for seed in args.seeds:
+        for mode in args.modes:
+            print(f"{mode} run, seed {seed}: {args.steps} steps, {args.labels} labels through the page", flush=True)
+            rows.append(one_run(args, seed, mode == "async"))
+            print_table(rows[-1:], COLUMNS)
+    medians = []
+    for mode in args.modes:
+        mine = [r for r in rows if r["mode"] == mode]
+        numeric = [c for c in COLUMNS[2:] if all(isinstance(r[c], (int, float)) and not isinstance(r[c], bool) for r in mine)]
+        medians.append({"mode": mode, "seeds": len(mine)} | {c: statistics.median(r[c] for r in mine) for c in numeric})
+        medians[-1]["exactly_once"] = all(r["exactly_once"] for r in mine)
+    print_table(rows, COLUMNS)
+    print("medians:")
+    print_table(medians, ["mode", "seeds", *COLUMNS[2:]])
+    output = args.output if args.output.is_absolute() else Path.cwd() / args.output
+    settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    write_json(output, {"benchmark": "simulated_person", "machine": machine_info(), "settings": settings, "rows": rows, "medians": medians})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,50 @@
+"""bench/simulated_person.py small: a headless Chromium plays a person on the real page of a real human-mode run on the
+zero-reward windmill (server autostarted, token on), answering by the objective it wants from what each pair shows."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cleanrlhf_utils.feedback import read_label_file
+from cleanrlhf_utils.objectives import load_objective, segment_rewards
+
+REPO = Path(__file__).resolve().parents[1]
+if not Path("/usr/bin/chromium").exists():
+    pytest.skip("/usr/bin/chromium is missing (bash dev/install_test_deps.sh)", allow_module_level=True)
+pytest.importorskip("playwright.sync_api", reason="playwright is missing (pip install playwright)")
+
+
+def test_a_person_on_the_page_gives_the_run_labels_that_prefer_what_they_want(tmp_path):
+    command = [
+        sys.executable, str(REPO / "bench" / "simulated_person.py"), "--seeds", "1", "--modes", "async",
+        "--objective", "windmill-counterclockwise", "--steps", "1500", "--explore-steps", "500", "--labels", "6",
+        "--pairs-per-session", "3", "--feedback-frequency", "300", "--evaluation-frequency", "1500",
+        "--answer-delay", "0", "0.2", "--person-eps-mistake", "0", "--workdir", str(tmp_path / "work"),
+        "--output", str(tmp_path / "out.json"),
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    row = json.loads((tmp_path / "out.json").read_text())["rows"][0]
+
+    # Six pairs on screen, each watched at least its clip's length, each answer in the run exactly once.
+    assert row["labels"] == row["labels_obtained"] == 6 and row["exactly_once"] and not row["page_errors"]
+    assert all(a["answered_s"] - a["shown_s"] >= a["clip_seconds"] > 0 for a in row["answers"])
+    assert 0 < row["first_pair_s"] < row["wall_s"] and 0 <= row["person_waiting_share"] < 1 and 0 <= row["trainer_idle_share"] < 1
+    # A person without mistakes agrees with the objective, and the trainer measured the same from their answers.
+    assert row["person_agreement"] == 1.0 and row["trainer_agreement"] == 1.0
+
+    # What reached the run: every label prefers the segment the objective (recomputed from the stored segments) ranks
+    # higher, so query ids, sides and segments line up from the trainer's log through the page and server back to it.
+    run_dir = tmp_path / "work" / "runs" / row["run_name"]
+    segments, labels = read_label_file(run_dir / "labels.sqlite")
+    returns = segment_rewards(load_objective("windmill-counterclockwise"), segments, obs_dim=3).sum(-1)
+    assert len(labels) == 6
+    np.testing.assert_array_equal(labels, (returns[:, 1] > returns[:, 0]).astype(np.float32))
+    shown = [json.loads(line) for line in (run_dir / "shown_pairs.jsonl").read_text().splitlines()]
+    assert sorted(pair["query_id"] for pair in shown) == sorted(a["query_id"] for a in row["answers"])
+    logged = np.array([[p["left_objective_return"], p["right_objective_return"]] for p in sorted(shown, key=lambda p: p["query_id"])])
+    np.testing.assert_allclose(logged, returns, rtol=1e-6, atol=1e-9)
