@@ -414,3 +414,30 @@ def test_wandb_trial_logs_the_metric_to_its_offline_run(chdir_tmp, monkeypatch):
     assert config_items["cleanrlhf_args"]["track"] is False, "the script's own wandb.init stays off inside a W&B sweep"
     run_name = config_items["cleanrlhf_args"]["run_name"]
     assert run_name.startswith("tiny__sac__trial") and (chdir_tmp / "runs" / run_name / "summary.json").is_file()
+
+
+def test_a_sweep_on_your_own_env_and_objective_ranks_trials_by_the_objective(chdir_tmp):
+    """`--env-id module:Id` and `--teacher-objective` through a sweep: trials run on the zero-reward windmill, are ranked
+    by the objective's summary figure (the env's return is 0 in every trial), and the exported script reproduces the
+    best trial's env and objective."""
+    windmill = "cleanrlhf_utils.example_envs.windmill:Windmill-v0"
+    fixed = {**TINY_PEBBLE, "env_id": windmill, "teacher_objective": "windmill-clockwise", "evaluation_frequency": 400}
+    config = write_config(
+        chdir_tmp / "windmill.yaml",
+        "framework/sac_rlhf.py",
+        fixed,
+        {"reward_net_lr": {"values": [3e-4, 1e-3]}},
+        metric="final_objective_return",
+    )
+    storage = f"sqlite:///{chdir_tmp}/sweeps.db"
+    study = sweep.main(sweep.Args(config_filename=config, storage=storage, sweep_count=2), ["--no-progress-bar"])
+    assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 2
+    for t in study.trials:
+        summary = json.loads((chdir_tmp / "runs" / t.user_attrs["run_name"] / "summary.json").read_text())
+        assert summary["env_id"] == windmill and summary["final_eval_return"] == 0.0
+        assert t.value == summary["final_objective_return"] != 0.0
+    out = chdir_tmp / "scripts" / "windmill.sh"
+    text = sweep.main(sweep.Args(export_best=True, storage=storage, study_name=study.study_name, out=str(out)))
+    parsed = exported_args(text, sweep.load_script("sac-rlhf"))
+    assert (parsed.env_id, parsed.teacher_objective) == (windmill, "windmill-clockwise")
+    assert parsed.reward_net_lr == study.best_trial.params["reward_net_lr"]
