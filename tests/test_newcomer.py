@@ -144,16 +144,19 @@ def startup_line(stdout: str) -> tuple[str, str]:
     return lines[0].split()[1].rstrip(":"), lines[0]
 
 
-def test_ctrl_c_prints_the_command_that_resumes_the_run(tmp_path):
+@pytest.mark.parametrize(("stop", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["ctrl-c", "sigterm"])
+def test_ctrl_c_prints_the_command_that_resumes_the_run(tmp_path, stop, code):
+    """Ctrl-C, and SIGTERM as SLURM sends it at a job's time limit or a preemption, both save the run and say how to
+    resume it (SIGTERM used to kill it with only the last periodic checkpoint, and orphan an autostarted server)."""
     script = REPO / "framework/sac_rlhf.py"
     env = os.environ | {"WANDB_MODE": "offline"}
     process = subprocess.Popen([sys.executable, str(script), *TINY_PEBBLE], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     deadline = time.time() + 300
     while not list(tmp_path.glob("models/*/400/checkpoint.pt")) and process.poll() is None and time.time() < deadline:
         time.sleep(0.05)  # exploration is over (its checkpoint is written): Ctrl-C in the middle of learning
-    process.send_signal(signal.SIGINT)
+    process.send_signal(stop)
     stdout, stderr = process.communicate(timeout=300)
-    assert process.returncode == 130, (stdout, stderr)
+    assert process.returncode == code, (stdout, stderr)
     run_name, line = startup_line(stdout)
     assert line == f"run {run_name}: logs and summary in runs/{run_name}, checkpoints in models/{run_name}"
     assert (tmp_path / "runs" / run_name / "summary.json").is_file() and (tmp_path / "models" / run_name / "latest").is_dir()
