@@ -5,7 +5,7 @@ person's noise (B-Pref's eps-mistake and, optionally, beta-rational model), once
 each session's answers) and once with --feedback-async. The behaviour is the windmill's direction, which its reward
 (0 at every step) says nothing about.
 
-    python bench/simulated_person.py                                  # windmill clockwise, seeds 1 2 3, sync and async
+    python bench/simulated_person.py                                  # windmill clockwise, seeds 1 2 3, async and sync
     python bench/simulated_person.py --seeds 1 --modes async --objective windmill-counterclockwise
 
 How the person knows what a clip shows: the trainer logs each uploaded pair with its objective returns in
@@ -229,8 +229,10 @@ def main() -> None:
     parser.add_argument("--env-id", default=WINDMILL)
     parser.add_argument("--objective", default="windmill-clockwise", help="what the person wants (a --teacher-objective)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
-    parser.add_argument("--modes", nargs="+", choices=["sync", "async"], default=["sync", "async"])
-    parser.add_argument("--steps", type=int, default=12_000, help="environment steps per run")
+    parser.add_argument("--modes", nargs="+", choices=["sync", "async"], default=["async", "sync"])
+    parser.add_argument(
+        "--steps", type=int, default=20_000, help="environment steps per run: with --feedback-async, enough to outlast the labelling"
+    )
     parser.add_argument("--explore-steps", type=int, default=1000)
     parser.add_argument("--labels", type=int, default=50, help="label budget per run")
     parser.add_argument("--pairs-per-session", type=int, default=10)
@@ -249,24 +251,35 @@ def main() -> None:
     if not 0 <= args.answer_delay[0] <= args.answer_delay[1]:
         parser.error(f"--answer-delay {args.answer_delay[0]:g} {args.answer_delay[1]:g}: need 0 <= MIN <= MAX")
 
+    output = args.output if args.output.is_absolute() else Path.cwd() / args.output
+    settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     rows = []
     for seed in args.seeds:
         for mode in args.modes:
             print(f"{mode} run, seed {seed}: {args.steps} steps, {args.labels} labels through the page", flush=True)
             rows.append(one_run(args, seed, mode == "async"))
             print_table(rows[-1:], COLUMNS)
+            # after every run, so a stopped benchmark keeps the runs it finished ("complete": false until the last)
+            result = {"benchmark": "simulated_person", "complete": len(rows) == len(args.seeds) * len(args.modes)}
+            machine = machine_info() | {"load_average": list(os.getloadavg())}
+            write_json(
+                output, result | {"machine": machine, "settings": settings, "rows": rows, "medians": medians_per_mode(rows, args.modes)}
+            )
+    print_table(rows, COLUMNS)
+    print("medians:")
+    print_table(medians_per_mode(rows, args.modes), ["mode", "seeds", *COLUMNS[2:]])
+
+
+def medians_per_mode(rows: list[dict], modes: list[str]) -> list[dict]:
     medians = []
-    for mode in args.modes:
+    for mode in modes:
         mine = [r for r in rows if r["mode"] == mode]
+        if not mine:
+            continue
         numeric = [c for c in COLUMNS[2:] if all(isinstance(r[c], (int, float)) and not isinstance(r[c], bool) for r in mine)]
         medians.append({"mode": mode, "seeds": len(mine)} | {c: statistics.median(r[c] for r in mine) for c in numeric})
         medians[-1]["exactly_once"] = all(r["exactly_once"] for r in mine)
-    print_table(rows, COLUMNS)
-    print("medians:")
-    print_table(medians, ["mode", "seeds", *COLUMNS[2:]])
-    output = args.output if args.output.is_absolute() else Path.cwd() / args.output
-    settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-    write_json(output, {"benchmark": "simulated_person", "machine": machine_info(), "settings": settings, "rows": rows, "medians": medians})
+    return medians
 
 
 if __name__ == "__main__":
