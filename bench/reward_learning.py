@@ -96,6 +96,7 @@ class Variant:
 
 NO_STOP = {"reward_net_target_accuracy": 2.0}  # training accuracy never reaches it: every epoch runs
 
+QPA_MODEL = {"reward_ensemble_size": 1, "surf": False, "qpa_augmentations": 20, "reward_net_normalize_inputs": True}
 VARIANTS = {
     "default": Variant("sac_rlhf.Args defaults: continue the model, stop at 97 % training accuracy (<= 100 epochs), SURF"),
     # segment length (SURF's crops scaled with it)
@@ -154,6 +155,17 @@ VARIANTS = {
     "rime-nowarm": Variant("RIME's selection without its warm start", {"robust_labels": "rime", "rime_warm_start_steps": 0}),
     "rime-alpha1": Variant(
         "RIME with alpha 1 (its code's default config): a more lenient trust threshold", {"robust_labels": "rime", "rime_alpha": 1.0}
+    ),
+    # QPA's reward model (bench/feedback_efficiency.py --variant qpa on DMC; use with --strategies uniform and a
+    # --session-size of 10 as a 100-label run asks): one member, 20 cropped copies of each label, inputs standardised
+    "qpa": Variant("QPA's reward model: one member, no SURF, 20 cropped copies per label, standardised inputs", QPA_MODEL),
+    "qpa-rime": Variant("QPA's reward model with RIME", QPA_MODEL | {"robust_labels": "rime"}),
+    "qpa-rime-noflip": Variant(
+        "QPA's reward model with RIME's selection but (almost) no flipping: a flip needs a probability below 1e-40",
+        QPA_MODEL | {"robust_labels": "rime", "rime_flip_tau": 1e-40},
+    ),
+    "qpa-rime-ens3": Variant(
+        "QPA's reward model with three members, with RIME", QPA_MODEL | {"robust_labels": "rime", "reward_ensemble_size": 3}
     ),
 }
 
