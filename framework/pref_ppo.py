@@ -223,6 +223,12 @@ class PreferenceArgs:
     relabel_chunk_size: int = 1024
     """transitions per chunk when relabelling the replay buffer (or predicting a PrefPPO rollout's rewards); 1024 keeps
     the activations in cache: 10.5 CPU-s per million transitions against 19.1 at 65536 (bench/relabel.py)"""
+    reward_standardize: bool = False
+    """standardise the learned reward the agent trains on: after every relabel (each feedback session), the mean and
+    std of the replay buffer's relabelled rewards are measured and every learned reward (and RUNE's std) is divided
+    into that scale, zero mean and unit std, until the next session refits them (checkpointed: a resume continues
+    exactly). The reward model's own scale is set by nothing but the labels (tanh outputs summed over segments), so
+    without it SAC's temperature and the critic meet a different scale after every session (bench/reward_gap.py)"""
 
     # --- feedback ---
     teacher_feedback_schedule: Literal["linear", "exponential"] = "exponential"
@@ -969,6 +975,32 @@ def relabel_replay_buffer(model: RewardEnsemble, rb: ReplayBuffer, device: torch
         rb.learned_rewards[idx], rb.reward_std[idx] = mean.cpu().numpy(), std.cpu().numpy()
 
 
+class RewardStandardizer:
+    """--reward-standardize: the learned reward in the scale the agent trains on, zero mean and unit std over the
+    replay buffer's rewards as the last relabel gave them. Refitted after every relabel; new transitions take the last
+    fit until the next. Its two numbers are checkpointed, so a resumed run standardises as the uninterrupted one."""
+
+    def __init__(self):
+        self.mean, self.std = 0.0, 1.0
+
+    def refit(self, rb: ReplayBuffer) -> None:
+        """Fit to the buffer's freshly relabelled rewards (the model's own scale) and standardise them in place."""
+        rewards = rb.learned_rewards[: rb.size].astype(np.float64)
+        std = float(rewards.std())
+        self.mean, self.std = float(rewards.mean()), std if std > 1e-8 else 1.0  # a constant reward: only centred
+        rb.learned_rewards[: rb.size], rb.reward_std[: rb.size] = self(rb.learned_rewards[: rb.size], rb.reward_std[: rb.size])
+
+    def __call__(self, mean: np.ndarray, std: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The ensemble's mean and std of r(s, a), as the model predicts them, in the standardised scale."""
+        return ((mean - self.mean) / self.std).astype(np.float32), (std / self.std).astype(np.float32)
+
+    def state_dict(self) -> dict:
+        return {"mean": self.mean, "std": self.std}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.mean, self.std = float(state["mean"]), float(state["std"])
+
+
 def reward_correlation(rb: ReplayBuffer, recent: int = 10_000) -> float:
     """Pearson correlation of learned and true reward over the most recent transitions."""
     n = min(recent, rb.size)
@@ -977,6 +1009,31 @@ def reward_correlation(rb: ReplayBuffer, recent: int = 10_000) -> float:
     if n < 2 or learned.std() == 0 or true.std() == 0:
         return float("nan")
     return float(np.corrcoef(learned, true)[0, 1])
+
+
+def segment_correlation(rb: ReplayBuffer, pairs: int, length: int, rng: np.random.Generator) -> float:
+    """Pearson correlation of learned and true returns of 2 x `pairs` random segments of `length` steps, drawn from the
+    whole replay buffer as query pairs are: what the labels constrain, where reward_correlation compares single steps.
+    A model that ranks segments well can still spread the reward over the steps inside them in another shape."""
+    if rb.size < 2:
+        return float("nan")
+    idx, mask = rb.sample_segment_pairs(pairs, length, rng)
+    learned, true = ((rb.learned_rewards[idx] * mask).sum(-1).ravel(), (rb.true_rewards[idx] * mask).sum(-1).ravel())
+    if learned.std() == 0 or true.std() == 0:
+        return float("nan")
+    return float(np.corrcoef(learned, true)[0, 1])
+
+
+def reward_scale(rb: ReplayBuffer) -> dict:
+    """Mean and std of the learned reward over the replay buffer as the agent trains on it (after --reward-standardize,
+    0 and 1), and of the true reward: the scale SAC's temperature alpha weighs the policy's entropy against."""
+    learned, true = rb.learned_rewards[: rb.size], rb.true_rewards[: rb.size]
+    if rb.size == 0:
+        return dict.fromkeys(("learned_reward_mean", "learned_reward_std", "true_reward_mean", "true_reward_std"), float("nan"))
+    return {
+        "learned_reward_mean": float(learned.mean()), "learned_reward_std": float(learned.std()),
+        "true_reward_mean": float(true.mean()), "true_reward_std": float(true.std()),
+    }  # fmt: skip
 
 
 # --- Preference buffer: the labelled segments themselves, never indices into the replay buffer ---
@@ -1406,8 +1463,9 @@ def reward_model_metrics(
     model: RewardEnsemble, prefs: PreferenceBuffer, rb: ReplayBuffer, args: Args, fresh: bool, step: int, device
 ) -> dict:
     """Agreement with the labels trained on and the held-out ones (with `fresh`: fresh oracle-labelled pairs instead),
-    and correlation with the true reward. Fresh pairs draw from their own generator, seeded by the step, so that
-    measuring leaves the run's random numbers alone."""
+    correlation with the true reward per step and per segment, and the scale of both rewards (reward_scale). Fresh
+    pairs and the segments draw from their own generators, seeded by the step, so that measuring leaves the run's
+    random numbers alone."""
     if fresh:
         rng = np.random.default_rng((args.seed, step))
         heldout = fresh_pair_accuracy(model, rb, args.heldout_fresh_pairs, args.segment_length, rng, device)
@@ -1417,6 +1475,10 @@ def reward_model_metrics(
         "train_accuracy": preference_accuracy(model, prefs, prefs.split(False), device),
         "heldout_accuracy": heldout,
         "reward_correlation": reward_correlation(rb),
+        "segment_correlation": segment_correlation(
+            rb, args.heldout_fresh_pairs, args.segment_length, np.random.default_rng((args.seed, step, 1))
+        ),
+        **reward_scale(rb),
     }
 
 
@@ -1446,14 +1508,24 @@ def rune_beta(beta0: float, decay: float, step: int) -> float:
 # ----------------------------------------------------------------------------------------
 # PrefPPO: the rollout's rewards from the reward model or the k-NN state entropy; the replay buffer from rollouts
 # ----------------------------------------------------------------------------------------
-def relabel_rollout(model: RewardEnsemble, rollout: RolloutBuffer, device, chunk_size: int = 1024, beta: float = 0.0) -> None:
+def relabel_rollout(
+    model: RewardEnsemble,
+    rollout: RolloutBuffer,
+    device,
+    chunk_size: int = 1024,
+    beta: float = 0.0,
+    standardizer: RewardStandardizer | None = None,
+) -> None:
     """The rewards PPO learns from: the ensemble mean of r(obs, action) at every step of the rollout plus RUNE's
-    beta x ensemble std, predicted in chunks, without gradients, in eval mode. Autoreset steps get 0."""
+    beta x ensemble std, predicted in chunks, without gradients, in eval mode (in the standardised scale with
+    --reward-standardize's `standardizer`). Autoreset steps get 0."""
     x = rollout.obs_actions().reshape(-1, rollout.raw_obs.shape[-1] + rollout.reward_actions.shape[-1])
     mean, std = np.zeros(len(x), dtype=np.float32), np.zeros(len(x), dtype=np.float32)
     for start in range(0, len(x), chunk_size):
         chunk_mean, chunk_std = predict_rewards(model, torch.as_tensor(x[start : start + chunk_size], device=device))
         mean[start : start + chunk_size], std[start : start + chunk_size] = chunk_mean.cpu().numpy(), chunk_std.cpu().numpy()
+    if standardizer is not None:
+        mean, std = standardizer(mean, std)
     valid = rollout.valid
     rollout.learned_rewards[:] = np.where(valid, mean.reshape(valid.shape), 0.0)
     rollout.reward_std[:] = np.where(valid, std.reshape(valid.shape), 0.0)
@@ -1612,6 +1684,9 @@ def main(args: Args, on_evaluation: Callable[[int, float], None] | None = None) 
         label_filter = LabelFilter()  # --robust-labels rime: its running thresholds are checkpointed with the rest
         if args.robust_labels == "rime":
             parts["label_filter"] = label_filter
+        standardizer = RewardStandardizer()  # --reward-standardize: the scale PPO trains on, refitted every session
+        if args.reward_standardize:
+            parts["reward_standardizer"] = standardizer
         loop, session = LoopState(), parts["session"]
 
         def checkpoint_state() -> dict:
@@ -1668,6 +1743,8 @@ def main(args: Args, on_evaluation: Callable[[int, float], None] | None = None) 
                         record_labels(prefs, label_log, session, loop, heldout_fraction, rng)
                         reward_stats = train_reward_model(reward_model, reward_optimizer, prefs, rb, args, rng, device, label_filter)
                         relabel_replay_buffer(reward_model, rb, device, args.relabel_chunk_size)
+                        if args.reward_standardize:
+                            standardizer.refit(rb)
                         if len(prefs) > 0 and not loop.learning_from_preferences:
                             if args.unsupervised_exploration:  # values of the intrinsic reward mean nothing for the learned one
                                 agent.reset_critic(optimizer)
@@ -1680,7 +1757,8 @@ def main(args: Args, on_evaluation: Callable[[int, float], None] | None = None) 
                 # --- 3. the rollout's rewards (learned + RUNE, or the state entropy while exploring), GAE, PPO update ---
                 if loop.learning_from_preferences:
                     beta = rune_beta(args.rune_beta, args.rune_beta_decay, rollout_start) if args.rune else 0.0
-                    relabel_rollout(reward_model, rollout, device, args.relabel_chunk_size, beta)
+                    scale = standardizer if args.reward_standardize else None
+                    relabel_rollout(reward_model, rollout, device, args.relabel_chunk_size, beta, scale)
                     slots = rollout.rb_index[rollout.valid]
                     rb.learned_rewards[slots], rb.reward_std[slots] = (
                         rollout.learned_rewards[rollout.valid],
@@ -1737,6 +1815,8 @@ def main(args: Args, on_evaluation: Callable[[int, float], None] | None = None) 
         summary = run_summary(run_name, args, loop, metrics | session.idle_seconds(), wall, start_step, interrupted, earlier_wall) | {
             "algorithm": "pref_ppo"
         }
+        if args.reward_standardize:  # the model's own scale at the last session
+            summary |= {"standardize_mean": standardizer.mean, "standardize_std": standardizer.std}
         write_summary(run_dir, summary)
         if interrupted:
             raise RunInterrupted(model_dir / "latest")  # the command line says how to resume from it

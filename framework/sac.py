@@ -23,7 +23,16 @@ from cleanrlhf_utils.envs import autoreset_pending, check_env_id, get_physics_st
 from cleanrlhf_utils.errors import need
 from cleanrlhf_utils.evaluate import evaluate_and_log, success_summary
 from cleanrlhf_utils.objectives import ObjectiveReward, apply_objective
-from cleanrlhf_utils.tracking import announce_run, default_run_name, progress_bar, start_logging, stop_logging, write_summary
+from cleanrlhf_utils.tracking import (
+    AGENT_MEASURES,
+    RecentMeans,
+    announce_run,
+    default_run_name,
+    progress_bar,
+    start_logging,
+    stop_logging,
+    write_summary,
+)
 from cleanrlhf_utils.training import frozen, seed_everything
 
 
@@ -322,7 +331,7 @@ class SACAgent:
         self.actor_optimizer.zero_grad()
         actor_loss.backward()
         self.actor_optimizer.step()
-        stats = {"actor_loss": actor_loss.detach()}
+        stats = {"actor_loss": actor_loss.detach(), "policy_entropy": -log_pi.detach().mean()}  # over the batch
         if self.args.autotune:
             # The log-probabilities of this step's actions (before its update) stand in for a second actor forward
             # pass on fresh noise: the same estimate of the policy's entropy, for a third of the actor step's cost.
@@ -397,6 +406,7 @@ def main(args: Args, on_evaluation: Callable[[int, float], None] | None = None) 
 
         progress = progress_bar(args, args.total_timesteps)
         start_time, episode_id, episode_return, episode_length, last_eval = time.time(), 0, 0.0, 0, float("nan")
+        recent = RecentMeans(AGENT_MEASURES)  # summary.json's figures of the last updates
 
         for global_step in range(args.total_timesteps):
             if global_step < args.learning_starts:
@@ -430,6 +440,7 @@ def main(args: Args, on_evaluation: Callable[[int, float], None] | None = None) 
                 if global_step % 100 == 0:
                     for name, value in stats.items():
                         writer.add_scalar(f"losses/{name}", float(value), global_step)
+                    recent.add(stats)
             if global_step % 100 == 0:
                 writer.add_scalar("charts/SPS", int((global_step + 1) / (time.time() - start_time)), global_step)
                 if progress is not None:
@@ -451,6 +462,9 @@ def main(args: Args, on_evaluation: Callable[[int, float], None] | None = None) 
             **success_summary(last_eval),  # final_success_rate, on envs that report success (Meta-World)
             "wall_seconds": wall,
             "sps": args.total_timesteps / wall,
+            **recent.summary(),  # the last updates' Q-value, policy entropy, alpha
+            "true_reward_mean": float(rb.true_rewards[: rb.size].mean()),  # the scale alpha weighs the entropy against
+            "true_reward_std": float(rb.true_rewards[: rb.size].std()),
         }
         write_summary(run_dir, summary)
         return summary

@@ -61,12 +61,15 @@ from cleanrlhf_utils.feedback import (
     LabelLog,
     Teacher,
     connect_human_teacher,
+    need_no_teacher,
     record_labels,
     validate_feedback_args,
 )
 from cleanrlhf_utils.objectives import Objective, apply_objective, check_objective, load_objective, segment_rewards
 from cleanrlhf_utils.presets import PresetArgs
 from cleanrlhf_utils.tracking import (
+    AGENT_MEASURES,
+    RecentMeans,
     announce_run,
     default_run_name,
     log_feedback_session,
@@ -209,6 +212,12 @@ class PreferenceArgs:
     relabel_chunk_size: int = 1024
     """transitions per chunk when relabelling the replay buffer (or predicting a PrefPPO rollout's rewards); 1024 keeps
     the activations in cache: 10.5 CPU-s per million transitions against 19.1 at 65536 (bench/relabel.py)"""
+    reward_standardize: bool = False
+    """standardise the learned reward the agent trains on: after every relabel (each feedback session), the mean and
+    std of the replay buffer's relabelled rewards are measured and every learned reward (and RUNE's std) is divided
+    into that scale, zero mean and unit std, until the next session refits them (checkpointed: a resume continues
+    exactly). The reward model's own scale is set by nothing but the labels (tanh outputs summed over segments), so
+    without it SAC's temperature and the critic meet a different scale after every session (bench/reward_gap.py)"""
 
     # --- feedback ---
     teacher_feedback_schedule: Literal["linear", "exponential"] = "exponential"
@@ -354,9 +363,24 @@ def validate_preference_args(args) -> None:
 
 
 @dataclass
-class Args(CheckpointArgs, FeedbackArgs, PreferenceArgs, SACArgs, PresetArgs):
+class FrozenRewardArgs:
+    """SAC on another run's learned reward, frozen: the middle run of bench/reward_gap.py's decomposition (sac_rlhf.py
+    only: PrefPPO learns on-policy, and has no such comparison to make)."""
+
+    reward_model_from: str | None = None
+    """SAC on a frozen learned reward: load the reward model of another run's checkpoint (models/<run>/latest or its
+    checkpoint.pt; same env, same observation and action sizes) and train on it alone, never updating it and asking no
+    teacher (no feedback sessions; the label flags are ignored). Exploration is skipped: like sac.py, the run takes
+    --learning-starts random steps, then SAC learns from the first step's reward, so that it differs from sac.py in
+    the reward only (bench/reward_gap.py). Evaluations are on the true return, and log the model's reward_model/
+    metrics on this run's buffer"""
+
+
+@dataclass
+class Args(FrozenRewardArgs, CheckpointArgs, FeedbackArgs, PreferenceArgs, SACArgs, PresetArgs):
     """PEBBLE's settings: SAC's, preference learning's, the teacher's (cleanrlhf_utils.feedback.FeedbackArgs),
-    checkpoints' (cleanrlhf_utils.runs.CheckpointArgs) and the --preset they start from (cleanrlhf_utils.presets)."""
+    checkpoints' (cleanrlhf_utils.runs.CheckpointArgs), the --preset they start from (cleanrlhf_utils.presets) and a
+    frozen reward's (FrozenRewardArgs)."""
 
 
 def validate_sac_args(args: SACArgs) -> None:
@@ -384,7 +408,15 @@ def validate_args(args: Args) -> None:
         args.explore_knn_sample_size >= args.explore_knn_k,
         f"--explore-knn-sample-size must be >= --explore-knn-k ({args.explore_knn_k}), got {args.explore_knn_sample_size}",
     )
-    if args.unsupervised_exploration:
+    if args.reward_model_from is not None:
+        need(
+            checkpoint_path(args.reward_model_from).is_file(),
+            f"--reward-model-from {args.reward_model_from}: no checkpoint there (give models/<run>/latest or its checkpoint.pt)",
+        )
+        need_no_teacher(args, "--reward-model-from", "trains on a frozen reward")
+        need(not args.exploration_load, "--reward-model-from skips exploration: drop --exploration-load")
+        need(not args.reward_standardize, "--reward-standardize refits at feedback sessions, which a frozen reward has none of")
+    elif args.unsupervised_exploration:
         need(
             args.total_explore_steps >= args.learning_starts,
             f"--total-explore-steps ({args.total_explore_steps}) must be >= --learning-starts ({args.learning_starts})",
@@ -585,7 +617,7 @@ class SACAgent:
         self.actor_optimizer.zero_grad()
         actor_loss.backward()
         self.actor_optimizer.step()
-        stats = {"actor_loss": actor_loss.detach()}
+        stats = {"actor_loss": actor_loss.detach(), "policy_entropy": -log_pi.detach().mean()}  # over the batch
         if self.args.autotune:
             # The log-probabilities of this step's actions (before its update) stand in for a second actor forward
             # pass on fresh noise: the same estimate of the policy's entropy, for a third of the actor step's cost.
@@ -715,6 +747,32 @@ def relabel_replay_buffer(model: RewardEnsemble, rb: ReplayBuffer, device: torch
         rb.learned_rewards[idx], rb.reward_std[idx] = mean.cpu().numpy(), std.cpu().numpy()
 
 
+class RewardStandardizer:
+    """--reward-standardize: the learned reward in the scale the agent trains on, zero mean and unit std over the
+    replay buffer's rewards as the last relabel gave them. Refitted after every relabel; new transitions take the last
+    fit until the next. Its two numbers are checkpointed, so a resumed run standardises as the uninterrupted one."""
+
+    def __init__(self):
+        self.mean, self.std = 0.0, 1.0
+
+    def refit(self, rb: ReplayBuffer) -> None:
+        """Fit to the buffer's freshly relabelled rewards (the model's own scale) and standardise them in place."""
+        rewards = rb.learned_rewards[: rb.size].astype(np.float64)
+        std = float(rewards.std())
+        self.mean, self.std = float(rewards.mean()), std if std > 1e-8 else 1.0  # a constant reward: only centred
+        rb.learned_rewards[: rb.size], rb.reward_std[: rb.size] = self(rb.learned_rewards[: rb.size], rb.reward_std[: rb.size])
+
+    def __call__(self, mean: np.ndarray, std: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The ensemble's mean and std of r(s, a), as the model predicts them, in the standardised scale."""
+        return ((mean - self.mean) / self.std).astype(np.float32), (std / self.std).astype(np.float32)
+
+    def state_dict(self) -> dict:
+        return {"mean": self.mean, "std": self.std}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.mean, self.std = float(state["mean"]), float(state["std"])
+
+
 def reward_correlation(rb: ReplayBuffer, recent: int = 10_000) -> float:
     """Pearson correlation of learned and true reward over the most recent transitions."""
     n = min(recent, rb.size)
@@ -723,6 +781,31 @@ def reward_correlation(rb: ReplayBuffer, recent: int = 10_000) -> float:
     if n < 2 or learned.std() == 0 or true.std() == 0:
         return float("nan")
     return float(np.corrcoef(learned, true)[0, 1])
+
+
+def segment_correlation(rb: ReplayBuffer, pairs: int, length: int, rng: np.random.Generator) -> float:
+    """Pearson correlation of learned and true returns of 2 x `pairs` random segments of `length` steps, drawn from the
+    whole replay buffer as query pairs are: what the labels constrain, where reward_correlation compares single steps.
+    A model that ranks segments well can still spread the reward over the steps inside them in another shape."""
+    if rb.size < 2:
+        return float("nan")
+    idx, mask = rb.sample_segment_pairs(pairs, length, rng)
+    learned, true = ((rb.learned_rewards[idx] * mask).sum(-1).ravel(), (rb.true_rewards[idx] * mask).sum(-1).ravel())
+    if learned.std() == 0 or true.std() == 0:
+        return float("nan")
+    return float(np.corrcoef(learned, true)[0, 1])
+
+
+def reward_scale(rb: ReplayBuffer) -> dict:
+    """Mean and std of the learned reward over the replay buffer as the agent trains on it (after --reward-standardize,
+    0 and 1), and of the true reward: the scale SAC's temperature alpha weighs the policy's entropy against."""
+    learned, true = rb.learned_rewards[: rb.size], rb.true_rewards[: rb.size]
+    if rb.size == 0:
+        return dict.fromkeys(("learned_reward_mean", "learned_reward_std", "true_reward_mean", "true_reward_std"), float("nan"))
+    return {
+        "learned_reward_mean": float(learned.mean()), "learned_reward_std": float(learned.std()),
+        "true_reward_mean": float(true.mean()), "true_reward_std": float(true.std()),
+    }  # fmt: skip
 
 
 # --- Preference buffer: the labelled segments themselves, never indices into the replay buffer ---
@@ -1152,8 +1235,9 @@ def reward_model_metrics(
     model: RewardEnsemble, prefs: PreferenceBuffer, rb: ReplayBuffer, args: Args, fresh: bool, step: int, device
 ) -> dict:
     """Agreement with the labels trained on and the held-out ones (with `fresh`: fresh oracle-labelled pairs instead),
-    and correlation with the true reward. Fresh pairs draw from their own generator, seeded by the step, so that
-    measuring leaves the run's random numbers alone."""
+    correlation with the true reward per step and per segment, and the scale of both rewards (reward_scale). Fresh
+    pairs and the segments draw from their own generators, seeded by the step, so that measuring leaves the run's
+    random numbers alone."""
     if fresh:
         rng = np.random.default_rng((args.seed, step))
         heldout = fresh_pair_accuracy(model, rb, args.heldout_fresh_pairs, args.segment_length, rng, device)
@@ -1163,6 +1247,10 @@ def reward_model_metrics(
         "train_accuracy": preference_accuracy(model, prefs, prefs.split(False), device),
         "heldout_accuracy": heldout,
         "reward_correlation": reward_correlation(rb),
+        "segment_correlation": segment_correlation(
+            rb, args.heldout_fresh_pairs, args.segment_length, np.random.default_rng((args.seed, step, 1))
+        ),
+        **reward_scale(rb),
     }
 
 
@@ -1222,9 +1310,40 @@ def track_episode(loop: LoopState, reward: float, done: bool, writer, progress, 
     loop.episode_return, loop.episode_length = 0.0, 0
 
 
-def predict_reward_arrays(model: RewardEnsemble, device, obs_actions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def predict_reward_arrays(
+    model: RewardEnsemble, device, obs_actions: np.ndarray, standardizer: RewardStandardizer | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """The learned reward (and RUNE's std) of new transitions, in the scale the agent trains on (--reward-standardize:
+    the `standardizer`'s)."""
     mean, std = predict_rewards(model, torch.as_tensor(obs_actions, device=device))
-    return mean.cpu().numpy(), std.cpu().numpy()
+    mean, std = mean.cpu().numpy(), std.cpu().numpy()
+    return (mean, std) if standardizer is None else standardizer(mean, std)
+
+
+def checkpoint_path(path: str) -> Path:
+    """A checkpoint given as its folder (models/<run>/latest) or as its checkpoint.pt."""
+    return Path(path) / "checkpoint.pt" if Path(path).is_dir() else Path(path)
+
+
+def load_frozen_reward_model(path: str, env_id: str, input_dim: int) -> RewardEnsemble:
+    """--reward-model-from: the reward model of another run's checkpoint, built as that run built it, in eval mode.
+    Refused in one line when the checkpoint holds none, or comes from another env or other observation/action sizes."""
+    saved = load_checkpoint(checkpoint_path(path))
+    need("reward_model" in saved, f"--reward-model-from {path}: the checkpoint holds no reward model (a sac.py run's?)")
+    settings = saved.get("args", {})
+    need(
+        settings.get("env_id") == env_id,
+        f"--reward-model-from {path}: its reward model was learned on {settings.get('env_id')}, this run is on {env_id}",
+    )
+    saved_dim = int(saved["reward_model"]["input_mean"].shape[0])
+    need(
+        saved_dim == input_dim,
+        f"--reward-model-from {path}: its reward model takes {saved_dim} inputs, this run's observation and action have {input_dim}",
+    )
+    net = ("reward_ensemble_size", "reward_net_hidden_dim", "reward_net_hidden_layers", "reward_net_dropout")
+    model = RewardEnsemble(input_dim, *(settings.get(name, getattr(PreferenceArgs, name)) for name in net))
+    model.load_state_dict(saved["reward_model"])
+    return model.eval()
 
 
 def exploration_rewards(rb: ReplayBuffer, next_obs: torch.Tensor, intrinsic_rms: RunningMoments, args: Args, rng, device) -> torch.Tensor:
@@ -1254,6 +1373,8 @@ def main(args: Args, on_evaluation: Callable[[int, float], None] | None = None) 
         obs, _ = envs.reset(seed=args.seed)
         obs_dim, state_dim = int(np.prod(envs.single_observation_space.shape)), physics_state_size(envs.envs[0])
         action_space, action_dim = envs.single_action_space, int(np.prod(envs.single_action_space.shape))
+        frozen = args.reward_model_from is not None  # SAC on another run's reward model: no exploration, no sessions
+        frozen_model = load_frozen_reward_model(args.reward_model_from, args.env_id, obs_dim + action_dim) if frozen else None
 
         writer = start_logging(args, run_name, run_dir)
         announce_run(run_name, args)
@@ -1262,7 +1383,12 @@ def main(args: Args, on_evaluation: Callable[[int, float], None] | None = None) 
         agent = SACAgent(obs_dim, action_space, args, device)
         reward_net = (args.reward_ensemble_size, args.reward_net_hidden_dim, args.reward_net_hidden_layers, args.reward_net_dropout)
         reward_model = RewardEnsemble(obs_dim + action_dim, *reward_net).to(device)
-        predict_learned_rewards = functools.partial(predict_reward_arrays, reward_model, device)
+        if frozen:
+            reward_model = frozen_model.to(device)
+        standardizer = RewardStandardizer()  # --reward-standardize: the scale the agent trains on, refitted every session
+        predict_learned_rewards = functools.partial(
+            predict_reward_arrays, reward_model, device, standardizer=standardizer if args.reward_standardize else None
+        )
         reward_optimizer = torch.optim.Adam(reward_model.parameters(), lr=args.reward_net_lr, fused=True)  # one kernel: 2.5x faster steps
         rb = ReplayBuffer(min(args.buffer_size, args.total_timesteps), obs_dim, action_dim, state_dim)
         prefs = PreferenceBuffer(args.segment_length, obs_dim + action_dim, state_dim)
@@ -1273,7 +1399,7 @@ def main(args: Args, on_evaluation: Callable[[int, float], None] | None = None) 
         heldout_fraction = 0.0 if teacher.labels_are_free else args.reward_net_heldout_fraction  # free: measured on fresh pairs
         label_log = LabelLog(run_dir / "labels.sqlite")
         cleanup.callback(label_log.close)
-        schedule = feedback_schedule(
+        schedule = [] if frozen else feedback_schedule(
             args.teacher_feedback_total_queries, args.teacher_feedback_num_queries_per_session,
             args.teacher_feedback_schedule, args.teacher_feedback_exponential_decay,
         )  # fmt: skip
@@ -1285,7 +1411,11 @@ def main(args: Args, on_evaluation: Callable[[int, float], None] | None = None) 
         label_filter = LabelFilter()  # --robust-labels rime: its running thresholds are checkpointed with the rest
         if args.robust_labels == "rime":
             parts["label_filter"] = label_filter
+        if args.reward_standardize:
+            parts["reward_standardizer"] = standardizer
         loop, session = LoopState(), parts["session"]
+        loop.learning_from_preferences = frozen  # a frozen reward is known from the first step: nothing to explore
+        recent = RecentMeans(AGENT_MEASURES)  # summary.json's figures of the last updates
 
         def checkpoint(folder: Path) -> None:
             pending.fill(predict_learned_rewards, rb)  # the saved buffer is complete; the values are those the run would use
@@ -1324,6 +1454,8 @@ def main(args: Args, on_evaluation: Callable[[int, float], None] | None = None) 
                         reward_stats = train_reward_model(reward_model, reward_optimizer, prefs, rb, args, rng, device, label_filter)
                         relabel_replay_buffer(reward_model, rb, device, args.relabel_chunk_size)
                         pending.clear()
+                        if args.reward_standardize:
+                            standardizer.refit(rb)
                         if len(prefs) > 0 and not loop.learning_from_preferences:
                             agent.reset_critic()  # Q-values of the intrinsic reward mean nothing for the learned one
                             loop.learning_from_preferences = True
@@ -1374,6 +1506,7 @@ def main(args: Args, on_evaluation: Callable[[int, float], None] | None = None) 
                     if step % 100 == 0:
                         for name, value in stats.items():
                             writer.add_scalar(f"losses/{name}", float(value), step)
+                        recent.add(stats)
                         if exploring:
                             writer.add_scalar("exploration/intrinsic_reward", float(batch_rewards.mean()), step)
                         elif args.rune:
@@ -1384,11 +1517,17 @@ def main(args: Args, on_evaluation: Callable[[int, float], None] | None = None) 
                         progress.update(loop.global_step - progress.n)
 
                 # --- evaluate, checkpoint ---
-                if args.unsupervised_exploration and loop.global_step == args.total_explore_steps and not args.exploration_load:
+                exploration_ends = args.unsupervised_exploration and not frozen and loop.global_step == args.total_explore_steps
+                if exploration_ends and not args.exploration_load:
                     checkpoint(model_dir / str(loop.global_step))  # reusable: --exploration-load
                 before_end = loop.global_step < args.total_timesteps
                 if args.evaluation_frequency and loop.global_step % args.evaluation_frequency == 0 and before_end:
                     loop.last_eval_return = evaluate_and_log(agent.actor, args, writer, video_dir, device, loop.global_step, on_evaluation)
+                    if frozen:  # no sessions log the frozen model's metrics: the evaluations do, on this run's buffer
+                        pending.fill(predict_learned_rewards, rb)
+                        frozen_metrics = reward_model_metrics(reward_model, prefs, rb, args, True, loop.global_step, device)
+                        for name, value in frozen_metrics.items():
+                            writer.add_scalar(f"reward_model/{name}", value, loop.global_step)
                 if args.checkpoint_frequency and loop.global_step % args.checkpoint_frequency == 0 and before_end:
                     checkpoint(model_dir / "latest")
         except KeyboardInterrupt:
@@ -1405,6 +1544,9 @@ def main(args: Args, on_evaluation: Callable[[int, float], None] | None = None) 
             loop.last_eval_return = evaluate_and_log(agent.actor, args, writer, video_dir, device, loop.global_step, on_evaluation)
         metrics = reward_model_metrics(reward_model, prefs, rb, args, teacher.labels_are_free, loop.global_step, device)
         summary = run_summary(run_name, args, loop, metrics | session.idle_seconds(), wall, start_step, interrupted, earlier_wall)
+        summary |= recent.summary() | {"reward_model_from": args.reward_model_from}
+        if args.reward_standardize:  # the model's own scale at the last session
+            summary |= {"standardize_mean": standardizer.mean, "standardize_std": standardizer.std}
         write_summary(run_dir, summary)
         if interrupted:
             raise RunInterrupted(model_dir / "latest")  # the command line says how to resume from it

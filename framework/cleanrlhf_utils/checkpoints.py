@@ -84,11 +84,16 @@ def training_state(parts: dict, rng: np.random.Generator) -> dict:
     return state | {"rng": rng.bit_generator.state, "torch_rng": torch.get_rng_state()}
 
 
+OPTIONAL_PARTS = ("label_filter", "reward_standardizer")
+"""parts that only some settings checkpoint (--robust-labels rime, --reward-standardize): loading an exploration
+checkpoint from a run without them leaves them fresh"""
+
+
 def load_training_state(parts: dict, rng: np.random.Generator, state: dict) -> None:
     for name, part in parts.items():
         if name == "session" and name not in state:  # a checkpoint from before sessions were saved: none was open
             continue
-        if name == "label_filter" and name not in state:  # --robust-labels rime loading another run's exploration: fresh
+        if name in OPTIONAL_PARTS and name not in state:  # e.g. --robust-labels rime loading another run's exploration
             continue
         part.load_state_dict(state[name])
     rng.bit_generator.state = state["rng"]

@@ -70,6 +70,12 @@ class FeedbackArgs:
     """--feedback-async: update the reward model every this many new labels of the open session (0: once all are in)"""
 
 
+def need_no_teacher(args: FeedbackArgs, flag: str, why: str) -> None:
+    """A run that asks no teacher (`flag`, for `why`) refuses a human or file one in one line instead of starting it."""
+    mode = args.teacher_feedback_mode
+    need(mode == "simulated", f"{flag} {why} and asks no teacher: drop --teacher-feedback-mode {mode}")
+
+
 def validate_feedback_args(args: FeedbackArgs) -> None:
     """The teacher's settings: --teacher-feedback-mode human|file and how the server and its clips are reached."""
     if args.teacher_feedback_mode == "file":

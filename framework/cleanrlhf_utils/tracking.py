@@ -1,6 +1,7 @@
 """What a run says about itself: its name and start-up line, its settings (secrets as null), TensorBoard and W&B,
 the progress bar, the feedback sessions' scalars, and runs/<run>/summary.json."""
 
+import collections
 import json
 import math
 import time
@@ -88,6 +89,30 @@ def log_feedback_session(writer, loop, session, reward_stats: dict, metrics: dic
         writer.add_scalar(f"feedback/{name}", value, step)
     for name, value in (reward_stats | metrics).items():
         writer.add_scalar(f"reward_model/{name}", value, step)
+
+
+AGENT_MEASURES = ("qf1_values", "qf2_values", "policy_entropy", "alpha")
+"""SAC's figures a run's summary.json gives as means of their last logged values (RecentMeans): the twin critics' mean
+Q-value and the policy's entropy (-log pi) over a sampled batch, and the temperature alpha weighing that entropy against
+the reward"""
+
+
+class RecentMeans:
+    """Means of the last `count` logged values of some scalars (each name's values as they come, in the dict of an
+    update's stats): a run's final figures, steadier than one batch's. Not checkpointed: a resumed run's means are of
+    its own updates."""
+
+    def __init__(self, names: tuple[str, ...], count: int = 10):
+        self.names, self.values = names, {name: collections.deque(maxlen=count) for name in names}
+
+    def add(self, stats: dict) -> None:
+        for name in self.names:
+            if name in stats:
+                self.values[name].append(float(stats[name]))
+
+    def summary(self, prefix: str = "final_") -> dict:
+        """{prefix + name: the mean of its recent values, NaN where none came}."""
+        return {prefix + name: sum(values) / len(values) if values else float("nan") for name, values in self.values.items()}
 
 
 def run_summary(
