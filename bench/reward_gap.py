@@ -1,0 +1,233 @@
+"""Why a good ranking can train a weaker agent (issue 27, part 2): the gap between SAC on the true reward and the online
+preference loop, cut in two by SAC on the preference run's final reward model, frozen.
+
+    python bench/reward_gap.py        # cheetah-run (QPA, 100 labels) and Walker2d-v5 (tuned, 200 labels), 100k steps, seeds 1 2 3
+    python bench/reward_gap.py --tasks Walker2d-v5 --seeds 1 --standardize   # and the loop with --reward-standardize
+    python bench/reward_gap.py --tasks Walker2d-v5 --baseline-from bench/results/feedback_efficiency_walker2d_tuned_seed1.json \\
+        bench/results/feedback_efficiency_walker2d_tuned_seed2.json bench/results/feedback_efficiency_walker2d_tuned_seed3.json
+        # reuses SAC's true-reward runs of bench/feedback_efficiency.py (same env, steps and evaluations)
+
+Per task and seed, up to four runs, the first three (or four) side by side, one torch thread each:
+  sac       sac.py on the true reward;
+  online    sac_rlhf.py, the online loop with the task's recommended settings (TASKS: bench/feedback_efficiency.py's
+            --variant and label budget, 10 sessions every 0.9 x steps / 10 steps after 10k exploration steps);
+  frozen    sac_rlhf.py --reward-model-from the online run's final checkpoint: SAC with sac.py's settings on that reward
+            model, never updated, no exploration, no teacher (started when its online run ends);
+  online_standardized (--standardize)   the online loop with --reward-standardize.
+sac -> frozen is the cost of the reward's shape; frozen -> online the cost of the online loop (when the labels come,
+the relabels, the critic reset, exploration). The frozen reward is the final one, which the online agent only met at
+its last session: frozen above online says the loop, not the reward, loses the return.
+
+Reports per task, run kind and seed, and as medians with the interquartile range over seeds: the final evaluation
+return and the mean of the last three evaluations, each as a ratio to SAC; then what differs between the runs, from
+their summaries: the learned reward's per-step and per-segment correlation with the true reward and its fresh-pair
+accuracy (for the frozen run: the final model measured on the frozen run's own buffer), the mean and std of the reward
+each agent trains on (the true reward for SAC), and the mean of SAC's last logged Q-values, policy entropy (-log pi)
+and temperature alpha. The JSON keeps every evaluation of every run.
+Target (issue 27): cheetah-run's recommended settings reach a median >= 0.8 x SAC over 3 seeds; the decomposition
+says which gap is the larger on each task.
+"""
+
+import argparse
+import functools
+import json
+import os
+import shlex
+import time
+from pathlib import Path
+
+import numpy as np
+from common import REPO, machine_info, print_table, read_summary, run_pool, start_script, write_json
+from feedback_efficiency import baseline_flags, earlier_baselines, eval_curve, last_evaluations_mean, pebble_flags
+
+# The README's recommended settings per task (bench/feedback_efficiency.py --variant and label budget), issue 27's figures.
+TASKS = {
+    "dm_control/cheetah-run-v0": {"variant": "qpa", "labels": 100},
+    "Walker2d-v5": {"variant": "tuned", "labels": 200},
+}
+KINDS = ("sac", "frozen", "online", "online_standardized")
+# summary.json figures reported per run (those a run lacks, e.g. sac.py's reward-model metrics, are left empty)
+MEASURES = (
+    "reward_correlation", "segment_correlation", "heldout_accuracy", "learned_reward_mean", "learned_reward_std",
+    "true_reward_std", "final_alpha", "final_q_value", "final_policy_entropy",
+)  # fmt: skip
+
+
+def task_settings(args, env_id: str) -> argparse.Namespace:
+    """This invocation's settings for one task, as bench/feedback_efficiency.py's flag builders read them."""
+    defaults = TASKS.get(env_id, {"variant": "tuned", "labels": 200})
+    feedback_frequency = args.feedback_frequency or max(1, int(0.9 * args.steps / args.sessions))
+    chosen = {"variant": args.variant or defaults["variant"], "labels": args.labels or defaults["labels"]}
+    return argparse.Namespace(**vars(args) | chosen | {"algorithm": "sac", "env_id": env_id, "feedback_frequency": feedback_frequency})
+
+
+def run_flags(settings, kind: str, seed: int, run_name: str, online_run: str, workdir: Path) -> tuple[str, list[str]]:
+    """(script, flags) of one run of `kind`."""
+    extra = shlex.split(settings.run_flags)
+    if kind == "sac":
+        return "sac.py", [*baseline_flags(settings, seed, run_name), *extra]
+    if kind == "frozen":  # sac.py's flags: the run differs from SAC in its reward only
+        model = workdir / "models" / online_run / "latest"
+        return "sac_rlhf.py", [*baseline_flags(settings, seed, run_name), "--reward-model-from", str(model), *extra]
+    standardize = ["--reward-standardize"] if kind == "online_standardized" else []
+    return "sac_rlhf.py", [*pebble_flags(settings, seed, run_name), *standardize, *extra, *shlex.split(settings.preference_flags)]
+
+
+def summary_row(workdir: Path, task: str, kind: str, seed: int, run_name: str) -> dict:
+    summary = read_summary(workdir, run_name)
+    curve = eval_curve(workdir, run_name)
+    row = {"task": task, "kind": kind, "seed": seed, "run_name": run_name, "from": "this invocation"}
+    row |= {"final_eval_return": summary["final_eval_return"], "last_return": last_evaluations_mean(curve), "eval_curve": curve}
+    values = summary | {"final_q_value": mean_of(summary.get("final_qf1_values"), summary.get("final_qf2_values"))}
+    if kind == "sac":  # SAC trains on the true reward: its "learned" reward is that one
+        values |= {"learned_reward_mean": summary.get("true_reward_mean"), "learned_reward_std": summary.get("true_reward_std")}
+    row |= {name: values.get(name) for name in MEASURES}
+    row["reward_model_from"] = summary.get("reward_model_from")
+    return row
+
+
+def mean_of(*values) -> float | None:
+    present = [value for value in values if value is not None]
+    return sum(present) / len(present) if present else None
+
+
+def reused_row(task: str, seed: int, earlier: dict) -> dict:
+    """The sac row of a true-reward run from an earlier bench/feedback_efficiency.py result."""
+    curve = earlier.get("eval_curve")
+    row = {"task": task, "kind": "sac", "seed": seed, "run_name": None, "from": earlier["from"], "reward_model_from": None}
+    row |= {"final_eval_return": earlier["final_eval_return"], "last_return": last_evaluations_mean(curve), "eval_curve": curve}
+    return row | dict.fromkeys(MEASURES)
+
+
+def spread(values: list) -> dict:
+    """Median and interquartile range over seeds (None where no seed has the value)."""
+    present = [value for value in values if value is not None]
+    if not present:
+        return {"median": None, "q25": None, "q75": None}
+    q25, median, q75 = np.percentile(present, [25, 50, 75])
+    return {"median": float(median), "q25": float(q25), "q75": float(q75)}
+
+
+def decomposition(rows: list[dict]) -> list[dict]:
+    """Per task and kind: medians and interquartile ranges of the returns, of their ratios to SAC's same seed, and of
+    the measurements."""
+    table = []
+    for task in dict.fromkeys(row["task"] for row in rows):
+        sac = {row["seed"]: row for row in rows if row["task"] == task and row["kind"] == "sac"}
+        for kind in KINDS:
+            runs = [row for row in rows if row["task"] == task and row["kind"] == kind]
+            if not runs:
+                continue
+            entry = {"task": task, "kind": kind, "seeds": len(runs)}
+            for key in ("final_eval_return", "last_return"):
+                entry[key] = spread([run[key] for run in runs])
+                ratios = [ratio(run[key], sac.get(run["seed"], {}).get(key)) for run in runs]
+                entry[f"{key}_ratio"] = spread(ratios)
+            entry |= {name: spread([run[name] for run in runs])["median"] for name in MEASURES}
+            table.append(entry)
+    return table
+
+
+def ratio(value, baseline) -> float | None:
+    return value / baseline if value is not None and baseline else None
+
+
+def shown(entry: dict) -> str:
+    if entry["median"] is None:
+        return ""
+    return f"{entry['median']:.2f} [{entry['q25']:.2f}, {entry['q75']:.2f}]" if abs(entry["median"]) < 10 else (
+        f"{entry['median']:.0f} [{entry['q25']:.0f}, {entry['q75']:.0f}]"
+    )  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tasks", nargs="+", default=list(TASKS), help="env ids (TASKS gives each its variant and labels)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument("--steps", type=int, default=100_000)
+    parser.add_argument("--labels", type=int, default=None, help="label budget of the online runs (default: the task's in TASKS)")
+    parser.add_argument("--variant", default=None, help="bench/feedback_efficiency.py --variant of the online runs (default: TASKS)")
+    parser.add_argument("--sessions", type=int, default=10)
+    parser.add_argument("--feedback-frequency", type=int, default=None, help="default: 0.9 x steps / sessions")
+    parser.add_argument("--explore-steps", type=int, default=10_000)
+    parser.add_argument("--evaluation-frequency", type=int, default=10_000)
+    parser.add_argument("--evaluation-episodes", type=int, default=10)
+    parser.add_argument("--standardize", action="store_true", help="also run the online loop with --reward-standardize")
+    parser.add_argument("--run-flags", default="", help="more flags for every run, one quoted string (--run-flags='--batch-size 64')")
+    parser.add_argument("--preference-flags", default="", help="more flags for the online runs only, one quoted string")
+    parser.add_argument(
+        "--baseline-from", type=Path, nargs="+", default=None,
+        help="results JSON of bench/feedback_efficiency.py: reuse their SAC runs for the tasks and settings they match",
+    )  # fmt: skip
+    parser.add_argument("--parallel", type=int, default=2, help="runs at once (one torch thread each): the cores to use")
+    parser.add_argument("--workdir", type=Path, default=REPO / "bench" / "workdir")
+    parser.add_argument("--output", type=Path, default=REPO / "bench" / "results" / "reward_gap.json")
+    args = parser.parse_args()
+    args.workdir = args.workdir.resolve()  # the frozen runs name their online run's checkpoint by its full path
+
+    stamp, machine = f"{int(time.time())}_{os.getpid()}", machine_info()
+    settings = {task: task_settings(args, task) for task in args.tasks}
+    reused = {}
+    for task in args.tasks:  # an earlier result is used for the task it ran on; its other settings must match
+        paths = [path for path in args.baseline_from or [] if json.loads(path.read_text())["settings"]["env_id"] == task]
+        reused[task] = earlier_baselines(paths, settings[task], "sac") if paths else {}
+    kinds = ["online", "sac", *(["online_standardized"] if args.standardize else [])]
+    names = {
+        (task, kind, seed): f"gap_{kind}_{task.replace('/', '_')}_{seed}_{stamp}"
+        for task in args.tasks
+        for kind in KINDS
+        for seed in args.seeds
+    }
+
+    def jobs(kinds_now: list[str]) -> tuple[list, list[str]]:
+        starts, labels = [], []
+        for task in args.tasks:
+            for seed in args.seeds:
+                for kind in kinds_now:
+                    if kind == "sac" and seed in reused[task]:
+                        continue
+                    name = names[task, kind, seed]
+                    script, flags = run_flags(settings[task], kind, seed, name, names[task, "online", seed], args.workdir)
+                    starts.append(functools.partial(start_script, script, flags, args.workdir, log=args.workdir / f"{name}.log"))
+                    labels.append(name)
+        return starts, labels
+
+    run_pool(*jobs(kinds), args.parallel)  # the online runs first: the frozen ones wait for their reward models
+    run_pool(*jobs(["frozen"]), args.parallel)
+
+    rows = []
+    for task in args.tasks:
+        for seed in args.seeds:
+            for kind in [k for k in KINDS if k in kinds or k == "frozen"]:
+                if kind == "sac" and seed in reused[task]:
+                    rows.append(reused_row(task, seed, reused[task][seed]))
+                else:
+                    rows.append(summary_row(args.workdir, task, kind, seed, names[task, kind, seed]))
+    print_table(rows, ["task", "kind", "seed", "final_eval_return", "last_return", *MEASURES])
+    table = decomposition(rows)
+    print()
+    returns = ["final_eval_return", "final_eval_return_ratio", "last_return", "last_return_ratio"]
+    print_table([{**entry, **{key: shown(entry[key]) for key in returns}} for entry in table], ["task", "kind", "seeds", *returns])
+    print("\nmedian [interquartile range] over seeds; ratios to SAC on the true reward, seed by seed\n")
+    print_table(table, ["task", "kind", *MEASURES])
+    print("\nmedians over seeds of what each run measured (for sac, its reward is the true one)")
+    write_json(
+        args.output,
+        {
+            "benchmark": "reward_gap",
+            "machine": machine,
+            "settings": vars(args)
+            | {"workdir": str(args.workdir), "output": str(args.output), "baseline_from": [str(p) for p in args.baseline_from or []]}
+            | {
+                "tasks_resolved": {
+                    task: {k: getattr(s, k) for k in ("variant", "labels", "feedback_frequency")} for task, s in settings.items()
+                }
+            },
+            "rows": rows,
+            "decomposition": table,
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()
