@@ -33,8 +33,10 @@ import argparse
 import json
 import random
 import secrets
+import shlex
 import socket
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -260,7 +262,8 @@ def main() -> None:
             rows.append(one_run(args, seed, mode == "async"))
             print_table(rows[-1:], COLUMNS)
             # after every run, so a stopped benchmark keeps the runs it finished ("complete": false until the last)
-            result = {"benchmark": "simulated_person", "complete": len(rows) == len(args.seeds) * len(args.modes)}
+            result = {"benchmark": "simulated_person", "command": shlex.join(["python", "bench/simulated_person.py", *sys.argv[1:]])}
+            result["complete"] = len(rows) == len(args.seeds) * len(args.modes)
             machine = machine_info() | {"load_average": list(os.getloadavg())}
             write_json(
                 output, result | {"machine": machine, "settings": settings, "rows": rows, "medians": medians_per_mode(rows, args.modes)}

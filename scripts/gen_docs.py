@@ -406,6 +406,20 @@ def generic_table(rows: list[dict], columns: list[str] | None = None) -> list[st
 MEASUREMENT_COLUMNS = {
     "reward_learning": ["env", "stage", "strategy", "variant", "labels", "seeds", "acc", "acc_latest", "rho_step", "train_acc", "epochs"],
     "human_loop": ["env_id", "first_pair_s", "pairs_per_s", "clips_per_s", "ready10_s", "wait_s", "baseline_clips_per_s", "speedup"],
+    # per seed in docs/human-feedback.md (the measurements page, whose medians have no seed column, shows them all)
+    "simulated_person": [
+        "mode",
+        "seed",
+        "labels",
+        "exactly_once",
+        "first_pair_s",
+        "labels_per_min",
+        "trainer_idle_share",
+        "person_waiting_share",
+        "longest_wait_s",
+        "objective_success",
+        "person_agreement",
+    ],
 }
 
 
