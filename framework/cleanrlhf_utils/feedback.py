@@ -365,7 +365,7 @@ class HumanTeacher(Teacher):
     def _render_and_upload(self, segments: dict, session: int, query_ids: list, stop: threading.Event, errors: list) -> None:
         """The upload thread: pair i's clips, then its query, in order, until every pair is up or `stop` is set."""
         try:
-            env_returns = segments["true_rewards"].sum(-1).tolist()
+            env_returns = segments["true_rewards"].sum(-1).tolist() if "true_rewards" in segments else None  # (N, 2)
             objective = None if self.objective_returns is None else np.asarray(self.objective_returns(segments)).tolist()
             for i, (left_id, right_id) in enumerate(segments["segment_ids"].tolist()):
                 if stop.is_set():
@@ -387,17 +387,20 @@ class HumanTeacher(Teacher):
                     "session": session,
                 }
                 query_ids[i] = self.client.upload_queries(self.run_id, [query], {path.name: path for path in clips.values()})[0]
-                self.log_shown_pair(query_ids[i], session, i, query, env_returns[i], None if objective is None else objective[i])
+                pair_returns = None if env_returns is None else env_returns[i]
+                self.log_shown_pair(query_ids[i], session, i, query, pair_returns, None if objective is None else objective[i])
         except BaseException as error:  # reported by the waiting thread
             errors.append(error)
 
-    def log_shown_pair(self, query_id: int, session: int, pair: int, query: dict, env_returns: list, objective: list | None) -> None:
+    def log_shown_pair(self, query_id: int, session: int, pair: int, query: dict, env_returns: list | None, objective: list | None) -> None:
         if objective is not None:
             self.shown[query_id] = objective
         if self.pair_log is None:
             return
         line = {"query_id": query_id, "session": session, "pair": pair, "left_segment_id": query["left_segment_id"]}
-        line |= {"right_segment_id": query["right_segment_id"], "left_env_return": env_returns[0], "right_env_return": env_returns[1]}
+        line["right_segment_id"] = query["right_segment_id"]
+        if env_returns is not None:
+            line |= {"left_env_return": env_returns[0], "right_env_return": env_returns[1]}
         if objective is not None:
             line |= {"left_objective_return": objective[0], "right_objective_return": objective[1]}
         with open(self.pair_log, "a") as log:  # one line per write: a reader never sees half a pair
