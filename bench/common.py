@@ -3,6 +3,7 @@
 import json
 import os
 import platform
+import socket
 import subprocess
 import sys
 import time
@@ -10,6 +11,13 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 FRAMEWORK = REPO / "framework"
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a feedback server a benchmark starts)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def machine_info() -> dict:

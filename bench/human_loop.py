@@ -39,7 +39,6 @@ os.environ.setdefault("MUJOCO_GL", "egl")  # before anything imports mujoco
 
 import argparse
 import json
-import socket
 import subprocess
 import sys
 import tempfile
@@ -50,7 +49,7 @@ from pathlib import Path
 
 import gymnasium as gym
 import numpy as np
-from common import REPO, machine_info, print_table, write_json
+from common import REPO, free_port, machine_info, print_table, write_json
 
 import sac_rlhf
 from cleanrlhf_utils.envs import SegmentRenderer, get_physics_state, segment_frames, set_physics_state, write_mp4
@@ -59,12 +58,6 @@ from cleanrlhf_utils.protocol import CHOICES
 
 SERVER = REPO / "humanFeedback" / "feedback_server.py"
 POLL_SECONDS = 0.02
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server(port: int, data_dir: Path, log: Path) -> subprocess.Popen:

@@ -31,26 +31,21 @@ os.environ.setdefault("MUJOCO_GL", "egl")
 
 import argparse
 import json
+import math
 import random
 import secrets
 import shlex
-import socket
 import statistics
 import sys
 import time
 from pathlib import Path
 
-from common import REPO, machine_info, print_table, read_summary, start_script, write_json
+from common import REPO, free_port, machine_info, print_table, read_summary, start_script, write_json
+from novel_behaviours import WINDMILL
+
+from cleanrlhf_utils.protocol import TOKEN_ENV  # read by the trainer when no --feedback-server-token is given
 
 CHROMIUM = "/usr/bin/chromium"
-WINDMILL = "cleanrlhf_utils.example_envs.windmill:Windmill-v0"
-TOKEN_ENV = "FEEDBACK_SERVER_TOKEN"  # read by the trainer when no --feedback-server-token is given (kept off command lines)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ShownPairs:
@@ -90,7 +85,7 @@ class Person:
     def choose(self, left: float, right: float) -> str:
         if self.beta >= 0:
             z = max(-50.0, min(50.0, self.beta * (right - left)))
-            prefer_right = self.rng.random() < 1.0 / (1.0 + pow(2.718281828459045, -z))
+            prefer_right = self.rng.random() < 1.0 / (1.0 + math.exp(-z))
         else:
             prefer_right = right > left
         if self.rng.random() < self.eps_mistake:
@@ -148,8 +143,7 @@ def label_through_page(base: str, token: str, trainer, shown: ShownPairs, person
                 waits.append(now - answered_at)
             left, right = shown.lookup(int(query_id))
             clip_seconds = page.wait_for_function(PLAYING, timeout=10_000, polling=50).json_value()
-            watched_from = time.perf_counter()
-            time.sleep(max(0.0, clip_seconds + person.thinking_seconds() - (time.perf_counter() - watched_from)))
+            time.sleep(clip_seconds + person.thinking_seconds())  # the clip once, then the thinking
             choice = person.choose(left, right)
             page.click(f"button.choice[data-choice={choice}]")
             answered_at = time.perf_counter() - started

@@ -31,6 +31,7 @@ from cleanrlhf_utils import envs as cleanrlhf_envs
 from cleanrlhf_utils.buffers import PendingRewards, ReplayBuffer
 from cleanrlhf_utils.checkpoints import (
     CheckpointArgs,
+    checkpoint_file,
     earlier_wall_seconds,
     load_checkpoint,
     load_optimizer,
@@ -409,10 +410,7 @@ def validate_args(args: Args) -> None:
         f"--explore-knn-sample-size must be >= --explore-knn-k ({args.explore_knn_k}), got {args.explore_knn_sample_size}",
     )
     if args.reward_model_from is not None:
-        need(
-            checkpoint_path(args.reward_model_from).is_file(),
-            f"--reward-model-from {args.reward_model_from}: no checkpoint there (give models/<run>/latest or its checkpoint.pt)",
-        )
+        checkpoint_file(args.reward_model_from, "--reward-model-from")
         need_no_teacher(args, "--reward-model-from", "trains on a frozen reward")
         need(not args.exploration_load, "--reward-model-from skips exploration: drop --exploration-load")
         need(not args.reward_standardize, "--reward-standardize refits at feedback sessions, which a frozen reward has none of")
@@ -1320,15 +1318,10 @@ def predict_reward_arrays(
     return (mean, std) if standardizer is None else standardizer(mean, std)
 
 
-def checkpoint_path(path: str) -> Path:
-    """A checkpoint given as its folder (models/<run>/latest) or as its checkpoint.pt."""
-    return Path(path) / "checkpoint.pt" if Path(path).is_dir() else Path(path)
-
-
 def load_frozen_reward_model(path: str, env_id: str, input_dim: int) -> RewardEnsemble:
     """--reward-model-from: the reward model of another run's checkpoint, built as that run built it, in eval mode.
     Refused in one line when the checkpoint holds none, or comes from another env or other observation/action sizes."""
-    saved = load_checkpoint(checkpoint_path(path))
+    saved = load_checkpoint(checkpoint_file(path, "--reward-model-from"))
     need("reward_model" in saved, f"--reward-model-from {path}: the checkpoint holds no reward model (a sac.py run's?)")
     settings = saved.get("args", {})
     need(
@@ -1382,9 +1375,7 @@ def main(args: Args, on_evaluation: Callable[[int, float], None] | None = None) 
         device, rng = seed_everything(args)  # rng: replay and segment sampling, random actions, held-out split
         agent = SACAgent(obs_dim, action_space, args, device)
         reward_net = (args.reward_ensemble_size, args.reward_net_hidden_dim, args.reward_net_hidden_layers, args.reward_net_dropout)
-        reward_model = RewardEnsemble(obs_dim + action_dim, *reward_net).to(device)
-        if frozen:
-            reward_model = frozen_model.to(device)
+        reward_model = (frozen_model if frozen else RewardEnsemble(obs_dim + action_dim, *reward_net)).to(device)
         standardizer = RewardStandardizer()  # --reward-standardize: the scale the agent trains on, refitted every session
         predict_learned_rewards = functools.partial(
             predict_reward_arrays, reward_model, device, standardizer=standardizer if args.reward_standardize else None

@@ -104,7 +104,7 @@ def test_pebble_run_writes_scalars_checkpoint_and_feedback(chdir_tmp):
     assert result["returns"] == again["returns"] and len(result["returns"]) == 2
     assert result["mean_return"] == pytest.approx(np.mean(result["returns"]))
     assert sorted(p.name for p in Path("videos/evaluated").glob("*.mp4")) == ["episode_0.mp4", "episode_1.mp4"]
-    with pytest.raises(sac_rlhf.ConfigError, match="does not exist"):
+    with pytest.raises(sac_rlhf.ConfigError, match="--path-to-model models/nope/latest: no checkpoint there"):
         evaluation.main(evaluation.Args(path_to_model="models/nope/latest"))
 
 

@@ -50,13 +50,12 @@ def save_checkpoint(folder: Path, state: dict, rb=None) -> None:
     os.replace(tmp, folder / "checkpoint.pt")
 
 
-def checkpoint_file(path: str | Path) -> Path:
-    """--path-to-model: a checkpoint.pt, or the folder holding it (models/<run>/latest)."""
-    path = Path(path)
-    if path.is_dir():
-        path = path / "checkpoint.pt"
-    need(path.is_file(), f"--path-to-model {path} does not exist")
-    return path
+def checkpoint_file(path: str | Path, flag: str = "--path-to-model") -> Path:
+    """A checkpoint given to `flag` as its checkpoint.pt or the folder holding it (models/<run>/latest); one line
+    naming the flag when there is none."""
+    file = Path(path) / "checkpoint.pt" if Path(path).is_dir() else Path(path)
+    need(file.is_file(), f"{flag} {path}: no checkpoint there (give models/<run>/latest or its checkpoint.pt)")
+    return file
 
 
 def load_checkpoint(path: str | Path) -> dict:
