@@ -1117,6 +1117,17 @@ def select_queries(
     return idx[top], mask[top]
 
 
+def session_pairs(number: int, schedule: list[int], model: RewardEnsemble, rb: ReplayBuffer, args, rng, device) -> dict:
+    """Feedback session `number`'s pairs (rb.gather_segments), chosen by the reward model as it stands. The first
+    session samples uniformly: an untrained ensemble's disagreement carries no information."""
+    strategy = "uniform" if number == 1 else args.preference_sampling
+    idx, mask = select_queries(
+        strategy, model, rb, schedule[number - 1], args.segment_length, args.preference_sampling_pool_factor, rng, device,
+        args.qpa_query_episodes,
+    )  # fmt: skip
+    return rb.gather_segments(idx, mask)
+
+
 # --- Teachers: synthetic (B-Pref, Lee et al. 2021), people in the browser, or an earlier run's labels ---
 class SyntheticTeacher(Teacher):
     """Labels pairs from the true reward, with B-Pref's irrationalities. Its own seeded RNG. With a replay
@@ -1730,15 +1741,17 @@ def main(args: Args, on_evaluation: Callable[[int, float], None] | None = None) 
                 session_due = step > explore_end + loop.sessions_done * args.teacher_feedback_frequency  # (async: or later)
                 if session_due and loop.sessions_done < len(schedule) and not session.open:
                     start.session_started = True
-                    # The first session samples uniformly: an untrained ensemble's disagreement carries no information.
-                    strategy = "uniform" if loop.sessions_done == 0 else args.preference_sampling
-                    idx, mask = select_queries(
-                        strategy, reward_model, rb, schedule[loop.sessions_done], args.segment_length,
-                        args.preference_sampling_pool_factor, rng, device, args.qpa_query_episodes,
-                    )  # fmt: skip
-                    session.start(rb.gather_segments(idx, mask), loop.sessions_done + 1)  # checkpoints keep the open session's pairs
-                if session.open and session.ask(teacher, label_log, args, step, last=loop.iteration == num_iterations):
+                    number = loop.sessions_done + 1  # checkpoints keep the open session's pairs
+                    session.start(
+                        session.take_staged(number) or session_pairs(number, schedule, reward_model, rb, args, rng, device), number
+                    )
+                last = loop.iteration == num_iterations
+                if session.open and session.ask(teacher, label_log, args, step, last):
                     start.session_started = True  # the RNG ran on: the rollout is collected again, the session not asked again
+                    number, next_due = session.number + 1, step > explore_end + session.number * args.teacher_feedback_frequency
+                    if session.stages_next(args, last) and number <= len(schedule) and next_due:
+                        # --feedback-async: people label the next pairs, chosen by the model as it stands, during the update
+                        session.stage(session_pairs(number, schedule, reward_model, rb, args, rng, device), number, teacher)
                     with session.update(parts, rng, loop):  # one unit: Ctrl-C inside it saves the state before it
                         record_labels(prefs, label_log, session, loop, heldout_fraction, rng)
                         reward_stats = train_reward_model(reward_model, reward_optimizer, prefs, rb, args, rng, device, label_filter)

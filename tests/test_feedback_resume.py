@@ -28,10 +28,11 @@ class Labeller(threading.Thread):
     """A person at the page: answers each pair it gets (left / right / tie / skip by query id), `seconds` after
     getting it. After `interrupt_after` answers it presses Ctrl-C in the trainer (the main thread) and stops."""
 
-    def __init__(self, base: str, seconds: float = 0.0, interrupt_after: int | None = None):
+    def __init__(self, base: str, seconds: float = 0.0, interrupt_after: int | None = None, answers: int | None = None):
         super().__init__(daemon=True)
-        self.base, self.seconds, self.interrupt_after = base, seconds, interrupt_after
+        self.base, self.seconds, self.interrupt_after, self.answers = base, seconds, interrupt_after, answers
         self.given: dict[int, str] = {}  # query id -> choice, one entry per answer posted
+        self.received_at: dict[int, float] = {}  # query id -> when the page first showed it
         self.answered_at: list[float] = []
         self.stop, self.posts = threading.Event(), 0
 
@@ -45,6 +46,7 @@ class Labeller(threading.Thread):
             if query.get("waiting"):
                 time.sleep(0.05)
                 continue
+            self.received_at.setdefault(query["query_id"], time.monotonic())
             if self.stop.wait(self.seconds):
                 return
             choice = CHOICES[query["query_id"] % 4]
@@ -55,6 +57,8 @@ class Labeller(threading.Thread):
             self.answered_at.append(time.monotonic())
             if self.posts == self.interrupt_after:
                 _thread.interrupt_main()  # Ctrl-C while the trainer waits for the rest of the session
+                return
+            if self.posts == self.answers:  # the person leaves
                 return
 
 
@@ -93,8 +97,7 @@ def human_args(run_name: str, base: str, **overrides) -> sac_rlhf.Args:
 
 
 def server_status(base: str, run: str) -> dict:
-    runs = requests.get(f"{base}/api/runs", timeout=5).json()
-    run_id = next(r["id"] for r in (runs["runs"] if isinstance(runs, dict) else runs) if r["name"] == run)
+    run_id = next(r["run_id"] for r in requests.get(f"{base}/api/runs", timeout=5).json()["runs"] if r["name"] == run)
     return requests.get(f"{base}/api/runs/{run_id}/status", timeout=5).json()
 
 
@@ -246,6 +249,82 @@ def test_feedback_async_trains_while_people_label(chdir_tmp):
     idle = [value for _, value in scalars(Path("runs/a"))["feedback/trainer_idle_seconds"]]
     assert len(idle) == 2 and idle[0] < 1.0, idle  # a sync run waits >= 5 x 0.4 s in each session
     assert summary["trainer_idle_seconds"] == pytest.approx(sum(idle), abs=1e-3) and summary["trainer_idle_seconds"] < 4.0
+
+
+def test_feedback_async_puts_the_next_pairs_up_before_the_reward_update(chdir_tmp, monkeypatch):
+    """Issue 26, part 4: a simulated person waited at every session boundary through the reward update, the
+    relabel, the selection and the first clip (up to 40 s). With --feedback-async the next session's pairs, chosen by
+    the model as it stood, go up before the update: the person gets session 2's first pair while the reward model
+    still learns from session 1 (an update made 1.5 s slow here), and every answer still arrives exactly once."""
+    base = f"http://127.0.0.1:{free_port()}"
+    updates, real_train = [], sac_rlhf.train_reward_model
+
+    def slow_train(*args, **kwargs):
+        begun = time.monotonic()
+        time.sleep(1.5)
+        stats = real_train(*args, **kwargs)
+        updates.append((begun, time.monotonic()))
+        return stats
+
+    monkeypatch.setattr(sac_rlhf, "train_reward_model", slow_train)
+    labeller = Labeller(base, seconds=0.2)
+    labeller.start()
+    try:  # session 2 is due 10 steps after session 1 opens: long before a person has answered 5 pairs
+        args = human_args("s", base, total_timesteps=1400, feedback_async=True, feedback_async_poll_steps=10, teacher_feedback_frequency=10)
+        summary = sac_rlhf.main(args)
+    finally:
+        labeller.stop.set()
+    labeller.join(timeout=10)
+    assert len(updates) == 2 and sorted(labeller.given) == list(range(1, 11)) and labeller.posts == 10
+    first_update_ends = updates[0][1]
+    assert labeller.received_at[6] < first_update_ends, "session 2's first pair came only after session 1's update"
+    expected = [CHOICE_LABELS[labeller.given[q]] for q in sorted(labeller.given) if labeller.given[q] != "skip"]
+    prefs = final_state("s")["checkpoint"]["preference_buffer"]
+    np.testing.assert_array_equal(prefs["labels"], np.array(expected, dtype=np.float32))
+    assert [r[1] for r in log_rows("runs/s/labels.sqlite")] == expected and summary["feedback_sessions"] == 2
+    assert summary["people_idle_seconds"] < 1.0, summary  # without staging: >= the 1.5 s update
+
+
+def test_staged_pairs_survive_an_interrupted_reward_update(chdir_tmp, monkeypatch):
+    """Ctrl-C during session 1's reward update, after session 2's pairs went up: the checkpoint keeps them, and the
+    resumed run redoes the update and opens session 2 with those pairs, uploading none of them again; every label
+    is kept once."""
+    base = f"http://127.0.0.1:{free_port()}"
+    real_train = sac_rlhf.train_reward_model
+
+    def interrupted_train(*args, **kwargs):
+        deadline = time.monotonic() + 30
+        while server_status(base, "r")["queries"] < 10 and time.monotonic() < deadline:
+            time.sleep(0.05)  # session 2's pairs are all up: Ctrl-C comes after the staging, not during it
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sac_rlhf, "train_reward_model", interrupted_train)
+    settings = dict(total_timesteps=1400, feedback_async=True, feedback_async_poll_steps=10, teacher_feedback_frequency=10)
+    first = Labeller(base, seconds=0.1, answers=5)
+    first.start()
+    with pytest.raises(KeyboardInterrupt):
+        sac_rlhf.main(human_args("r", base, **settings))
+    first.join(timeout=10)
+    saved = torch.load("models/r/latest/checkpoint.pt", weights_only=False)
+    assert saved["loop"]["sessions_done"] == 0 and saved["session"]["staged"]["number"] == 2
+    staged_pairs = saved["session"]["staged"]["segments"]["obs_actions"]
+
+    monkeypatch.setattr(sac_rlhf, "train_reward_model", real_train)
+    second = Labeller(base, seconds=0.1)
+    second.start()
+    try:
+        summary = sac_rlhf.main(human_args("r", base, resume="models/r/latest", **settings))
+    finally:
+        second.stop.set()
+    second.join(timeout=10)
+    given = first.given | second.given
+    assert sorted(first.given) == [1, 2, 3, 4, 5] and sorted(second.given) == [6, 7, 8, 9, 10], "a pair was uploaded twice"
+    expected = [CHOICE_LABELS[given[q]] for q in sorted(given) if given[q] != "skip"]
+    assert summary["feedback_sessions"] == 2 and summary["labels_obtained"] == len(expected)
+    prefs = final_state("r")["checkpoint"]["preference_buffer"]
+    np.testing.assert_array_equal(prefs["labels"], np.array(expected, dtype=np.float32))
+    second_session = [given[q] != "skip" for q in range(6, 11)]
+    np.testing.assert_array_equal(prefs["obs_actions"][-sum(second_session) :], staged_pairs[second_session])
 
 
 def test_feedback_async_needs_human_mode(chdir_tmp):

@@ -38,6 +38,7 @@ LOCKSTEP = [
     "PreferenceBuffer",
     "preference_accuracy",
     "select_queries",
+    "session_pairs",
     "SyntheticTeacher",
     "make_teacher",
     "show_reward_model",

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -578,6 +579,45 @@ def test_human_mode_gets_exactly_the_labels_given(chdir_tmp):
     assert len(list(Path("videos/human/clips").glob("*.mp4"))) == 8 * 2 + 2  # two clips per query, one check clip per session
     with pytest.raises(requests.ConnectionError):  # the trainer stopped the server it started
         requests.get(base + "/api/config", timeout=2)
+
+
+def test_feedback_async_puts_the_next_pairs_up_before_the_reward_update(chdir_tmp, monkeypatch):
+    """As sac_rlhf.py's test in test_feedback_resume.py: with --feedback-async, session 2's pairs are on the page while
+    the reward model still learns from session 1's answers (an update made 1.5 s slow), and every answer counts once."""
+    pytest.importorskip("requests")
+    from test_feedback_resume import Labeller
+    from test_human_feedback import free_port
+
+    base = f"http://127.0.0.1:{free_port()}"
+    updates, real_train = [], pref_ppo.train_reward_model
+
+    def slow_train(*args, **kwargs):
+        begun = time.monotonic()
+        time.sleep(1.5)
+        stats = real_train(*args, **kwargs)
+        updates.append((begun, time.monotonic()))
+        return stats
+
+    monkeypatch.setattr(pref_ppo, "train_reward_model", slow_train)
+    labeller = Labeller(base, seconds=0.1)
+    labeller.start()
+    args = hopper_args(
+        "staged", total_timesteps=10240, teacher_feedback_mode="human", feedback_server_url=base, feedback_server_autostart=True,
+        feedback_poll_seconds=0.05, feedback_check_clips=0, feedback_async=True, teacher_feedback_total_queries=8,
+        teacher_feedback_num_queries_per_session=4, teacher_feedback_frequency=1, teacher_feedback_schedule="linear",
+        segment_length=10, max_augmentation_offset=3, min_augmentation_offset=1, clip_width=64, clip_height=48,
+    )  # fmt: skip
+    try:
+        summary = pref_ppo.main(args)
+    finally:
+        labeller.stop.set()
+    labeller.join(timeout=10)
+    assert len(updates) == 2 and sorted(labeller.given) == list(range(1, 9)) and labeller.posts == 8
+    assert labeller.received_at[5] < updates[0][1], "session 2's first pair came only after session 1's update"
+    expected = [CHOICE_LABELS[labeller.given[q]] for q in sorted(labeller.given) if labeller.given[q] != "skip"]
+    checkpoint = torch.load("models/staged/latest/checkpoint.pt", weights_only=False)
+    np.testing.assert_array_equal(checkpoint["preference_buffer"]["labels"], np.array(expected, dtype=np.float32))
+    assert summary["feedback_sessions"] == 2 and summary["labels_obtained"] == len(expected)
 
 
 # ----------------------------------------------------------------------------------------

@@ -627,21 +627,48 @@ class FeedbackSession:
     and the time the trainer and people spent waiting for each other. Part of every checkpoint, so that a resumed run
     finishes an open session with the same pairs. The record of its answers, the reward update, the relabel and what
     follows them (`with session.update(...)`) form one unit: a checkpoint written inside it holds the training state
-    from before it, so the resumed run redoes the update rather than asking the next session early."""
+    from before it, so the resumed run redoes the update rather than asking the next session early. With
+    --feedback-async the next session's pairs can go up before that unit (`stage`), so that people label on while the
+    reward model learns; they are checkpointed too, and `take_staged` hands them to `start`."""
 
     def __init__(self):
         self.number, self.segments, self.before = 0, None, None
         self.trainer_idle = self.people_idle = self.session_trainer_idle = 0.0
         self.opened_at = self.completed_at = None
         self.uploading, self.next_poll = False, 0
+        self.staged: dict | None = None  # {"number": n, "segments": ...}: the next session's pairs, already put up
+        self.staged_here = False  # staged by this process, whose upload runs; after a resume the teacher is asked again
 
     @property
     def open(self) -> bool:
         return self.segments is not None
 
+    def stages_next(self, args, last: bool) -> bool:
+        """Whether the next session's pairs are to go up now, before the reward model learns from this session's
+        answers (`stage`): with --feedback-async, once all are in (not at the run's last step, and not twice: a resumed
+        run redoing the update has them already). The caller adds whether that session exists and is due."""
+        return args.feedback_async and not last and bool(self.answered.all()) and self.staged is None
+
+    def stage(self, segments: dict, number: int, teacher) -> None:
+        """Puts session `number`'s pairs up now (the teacher uploads them from its thread and returns at once): people
+        label them while the trainer updates the reward model, instead of waiting for the update, the selection and the
+        first clip."""
+        self.staged, self.staged_here = {"number": number, "segments": segments}, True
+        teacher.start(segments, number)
+        if self.completed_at is not None:  # people waited from the last answer to now only
+            self.people_idle, self.completed_at = self.people_idle + time.time() - self.completed_at, None
+
+    def take_staged(self, number: int) -> dict | None:
+        """The pairs staged for session `number` (handed out once), or None: the caller selects them then."""
+        if self.staged is None or self.staged["number"] != number:
+            return None
+        segments, self.staged = self.staged["segments"], None
+        self.uploading, self.staged_here = self.staged_here, False  # resumed: ask() asks the teacher, who keeps the query ids
+        return segments
+
     def start(self, segments: dict, number: int) -> None:
         """Session `number` asks these pairs (segments: rb.gather_segments); people had nothing to label since the
-        previous session's last answer was read."""
+        previous session's last answer was read (or since the pairs were staged)."""
         count = len(segments["segment_ids"])
         self.number, self.segments, self.annotators = number, segments, [""] * count
         self.labels, self.answered, self.recorded = np.full(count, np.nan, np.float32), np.zeros(count, bool), np.zeros(count, bool)
@@ -711,6 +738,7 @@ class FeedbackSession:
 
     def state_dict(self) -> dict:
         state = {"number": self.number, "segments": self.segments, "trainer_idle": self.trainer_idle, "people_idle": self.people_idle}
+        state["staged"] = self.staged
         if self.open:
             state |= {"labels": self.labels, "annotators": self.annotators, "answered": self.answered, "recorded": self.recorded}
         return copy.deepcopy(state)
@@ -719,6 +747,7 @@ class FeedbackSession:
         state = copy.deepcopy(state)
         self.number, self.segments = state["number"], state["segments"]
         self.trainer_idle, self.people_idle, self.opened_at = state["trainer_idle"], state["people_idle"], time.time()
+        self.staged, self.staged_here = state.get("staged"), False  # a checkpoint of an older version staged nothing
         if self.open:
             self.labels, self.annotators, self.answered, self.recorded = (
                 state[k] for k in ("labels", "annotators", "answered", "recorded")
