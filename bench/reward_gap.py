@@ -6,6 +6,7 @@ preference loop, cut in two by SAC on the preference run's final reward model, f
     python bench/reward_gap.py --tasks Walker2d-v5 --baseline-from bench/results/feedback_efficiency_walker2d_tuned_seed1.json \\
         bench/results/feedback_efficiency_walker2d_tuned_seed2.json bench/results/feedback_efficiency_walker2d_tuned_seed3.json
         # reuses SAC's true-reward runs of bench/feedback_efficiency.py (same env, steps and evaluations)
+    python bench/reward_gap.py --combine seeds12.json seed3.json --output cheetah.json   # one table from several invocations
 
 Per task and seed, up to four runs, the first three (or four) side by side, one torch thread each:
   sac       sac.py on the true reward;
@@ -162,7 +163,14 @@ def main() -> None:
     parser.add_argument("--parallel", type=int, default=2, help="runs at once (one torch thread each): the cores to use")
     parser.add_argument("--workdir", type=Path, default=REPO / "bench" / "workdir")
     parser.add_argument("--output", type=Path, default=REPO / "bench" / "results" / "reward_gap.json")
+    parser.add_argument(
+        "--combine", type=Path, nargs="+", default=None,
+        help="results JSON of earlier invocations: run nothing, report their runs together as one table (written to --output)",
+    )  # fmt: skip
     args = parser.parse_args()
+    if args.combine:
+        combine(args.combine, args.output)
+        return
     args.workdir = args.workdir.resolve()  # the frozen runs name their online run's checkpoint by its full path
 
     stamp, machine = f"{int(time.time())}_{os.getpid()}", machine_info()
@@ -203,6 +211,15 @@ def main() -> None:
                     rows.append(reused_row(task, seed, reused[task][seed]))
                 else:
                     rows.append(summary_row(args.workdir, task, kind, seed, names[task, kind, seed]))
+    resolved = {task: {k: getattr(s, k) for k in ("variant", "labels", "feedback_frequency")} for task, s in settings.items()}
+    shared = {"workdir": str(args.workdir), "output": str(args.output), "baseline_from": [str(p) for p in args.baseline_from or []]}
+    report(
+        rows, {"benchmark": "reward_gap", "machine": machine, "settings": vars(args) | shared | {"tasks_resolved": resolved}}, args.output
+    )
+
+
+def report(rows: list[dict], header: dict, output: Path) -> None:
+    """Prints the runs and the decomposition, and writes them with `header` (benchmark, machine, settings) to output."""
     print_table(rows, ["task", "kind", "seed", "final_eval_return", "last_return", *MEASURES])
     table = decomposition(rows)
     print()
@@ -211,22 +228,36 @@ def main() -> None:
     print("\nmedian [interquartile range] over seeds; ratios to SAC on the true reward, seed by seed\n")
     print_table(table, ["task", "kind", *MEASURES])
     print("\nmedians over seeds of what each run measured (for sac, its reward is the true one)")
-    write_json(
-        args.output,
-        {
-            "benchmark": "reward_gap",
-            "machine": machine,
-            "settings": vars(args)
-            | {"workdir": str(args.workdir), "output": str(args.output), "baseline_from": [str(p) for p in args.baseline_from or []]}
-            | {
-                "tasks_resolved": {
-                    task: {k: getattr(s, k) for k in ("variant", "labels", "feedback_frequency")} for task, s in settings.items()
-                }
-            },
-            "rows": rows,
-            "decomposition": table,
-        },
-    )
+    write_json(output, header | {"rows": rows, "decomposition": table})
+
+
+# What two results must share to be one table: the runs' settings (a seed set and its output may differ).
+COMBINED_SETTINGS = ("steps", "sessions", "explore_steps", "evaluation_frequency", "evaluation_episodes", "run_flags", "preference_flags")
+
+
+def combine(paths: list[Path], output: Path) -> None:
+    """One decomposition from several invocations' results (e.g. seeds run on different days or machines): their rows
+    together, refused in one line when the runs' settings or a task's variant and labels differ, or a run repeats."""
+    results = [json.loads(path.read_text()) for path in paths]
+    first = results[0]["settings"]
+    for path, result in zip(paths, results):
+        settings = result["settings"]
+        for key in COMBINED_SETTINGS:
+            if settings.get(key) != first.get(key):
+                raise SystemExit(f"error: --combine: {path} ran with {key}={settings.get(key)!r}, {paths[0]} with {first.get(key)!r}")
+        for task, resolved in settings["tasks_resolved"].items():
+            earlier = next(r["settings"]["tasks_resolved"][task] for r in results if task in r["settings"]["tasks_resolved"])
+            if {k: resolved[k] for k in ("variant", "labels")} != {k: earlier[k] for k in ("variant", "labels")}:
+                raise SystemExit(f"error: --combine: {path} ran {task} with {resolved}, another result with {earlier}")
+    rows = [row for result in results for row in result["rows"]]
+    keys = [(row["task"], row["kind"], row["seed"]) for row in rows]
+    repeated = sorted({key for key in keys if keys.count(key) > 1})
+    if repeated:
+        raise SystemExit(f"error: --combine: more than one run of (task, kind, seed) {repeated[0]}; give each run once")
+    resolved = {task: spec for result in results for task, spec in result["settings"]["tasks_resolved"].items()}
+    settings = {key: first.get(key) for key in COMBINED_SETTINGS} | {"tasks_resolved": resolved, "combined_from": [str(p) for p in paths]}
+    header = {"benchmark": "reward_gap", "machine": [result["machine"] for result in results], "settings": settings}
+    report(sorted(rows, key=lambda row: (row["task"], row["seed"])), header, output)
 
 
 if __name__ == "__main__":

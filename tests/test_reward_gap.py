@@ -239,3 +239,45 @@ def test_the_reward_gap_bench_runs_the_three_kinds_and_freezes_the_online_runs_m
     assert kinds["sac"]["final_eval_return_ratio"]["median"] == 1.0
     assert report["settings"]["tasks_resolved"]["Hopper-v5"] == {"variant": "tuned", "labels": 10, "feedback_frequency": 225}
     assert "median [interquartile range]" in result.stdout
+
+
+def gap_result(path: Path, returns: dict, steps: int = 100_000) -> Path:
+    """A bench/reward_gap.py result with runs of final return returns[(kind, seed)] (and no other measurement)."""
+    rows = [
+        {"task": "dm_control/cheetah-run-v0", "kind": kind, "seed": seed, "final_eval_return": value, "last_return": value}
+        | dict.fromkeys(("run_name", "eval_curve", "segment_correlation", "reward_correlation", "heldout_accuracy"))
+        | dict.fromkeys(("learned_reward_mean", "learned_reward_std", "true_reward_std", "final_alpha", "final_q_value"))
+        | {"final_policy_entropy": None}
+        for (kind, seed), value in returns.items()
+    ]
+    settings = {"steps": steps, "sessions": 10, "explore_steps": 10_000, "evaluation_frequency": 10_000, "evaluation_episodes": 10}
+    settings |= {
+        "run_flags": "",
+        "preference_flags": "",
+        "tasks_resolved": {"dm_control/cheetah-run-v0": {"variant": "qpa", "labels": 100}},
+    }
+    path.write_text(json.dumps({"benchmark": "reward_gap", "machine": {}, "settings": settings, "rows": rows}))
+    return path
+
+
+def test_combine_reports_the_runs_of_several_invocations_as_one_table_and_refuses_unlike_ones(tmp_path):
+    """Seeds run by separate invocations make one decomposition: ratios to SAC seed by seed, medians over all."""
+    seed1 = gap_result(tmp_path / "a.json", {("sac", 1): 100, ("frozen", 1): 80, ("online", 1): 50})
+    seeds23 = gap_result(
+        tmp_path / "b.json",
+        {("sac", 2): 200, ("frozen", 2): 100, ("online", 2): 200, ("sac", 3): 100, ("frozen", 3): 100, ("online", 3): 50},
+    )
+    bench = [sys.executable, str(REPO / "bench/reward_gap.py"), "--combine"]
+    result = subprocess.run([*bench, str(seed1), str(seeds23), "--output", str(tmp_path / "all.json")], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    report = json.loads((tmp_path / "all.json").read_text())
+    kinds = {entry["kind"]: entry for entry in report["decomposition"]}
+    assert kinds["frozen"]["seeds"] == 3 and kinds["frozen"]["final_eval_return_ratio"]["median"] == pytest.approx(0.8)  # 0.8, 0.5, 1
+    assert kinds["online"]["final_eval_return_ratio"]["median"] == pytest.approx(0.5)  # 0.5, 1, 0.5
+    assert report["settings"]["combined_from"] == [str(seed1), str(seeds23)]
+
+    other_steps = gap_result(tmp_path / "c.json", {("sac", 4): 1, ("frozen", 4): 1, ("online", 4): 1}, steps=50_000)
+    for extra, message in [(other_steps, "ran with steps=50000"), (seed1, "more than one run of (task, kind, seed)")]:
+        refused = subprocess.run([*bench, str(seed1), str(extra), "--output", str(tmp_path / "x.json")], capture_output=True, text=True)
+        assert refused.returncode != 0 and message in refused.stderr and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+        assert not (tmp_path / "x.json").exists()
