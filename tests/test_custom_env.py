@@ -142,6 +142,33 @@ def test_sac_rlhf_trains_on_the_windmill_with_an_objective(chdir_tmp):
     assert result["objective"] == "windmill-clockwise" and len(result["objective_returns"]) == 2 and 0 <= result["objective_success"] <= 1
 
 
+def test_toolbox_compares_module_env_runs_by_their_objective(chdir_tmp):
+    """Two seeds of a `module:Id` run with default run names (`Windmill-v0__mill__<seed>__<time>`) and the toolbox's
+    report on them: one group `mill` (the env's part of the name dropped, as for Gymnasium ids), compared by the
+    objective each run measured. Before, the toolbox matched the name against the whole `module:Id` and grouped the
+    runs as `Windmill-v0__mill`."""
+    import sac_rlhf
+
+    sys.path.insert(0, str(REPO_ROOT / "toolbox"))
+    import compare
+
+    summaries = {}
+    for seed in (1, 2):
+        args = tiny(
+            sac_rlhf, exp_name="mill", seed=seed, teacher_objective="windmill-clockwise", total_timesteps=400, learning_starts=100,
+            total_explore_steps=200, teacher_feedback_frequency=200, teacher_feedback_total_queries=10, batch_size=32,
+            actor_hidden_dim=32, critic_hidden_dim=32, reward_net_hidden_dim=32, reward_net_epochs=3, heldout_fresh_pairs=10,
+            evaluation_frequency=200, evaluation_episodes=1,
+        )  # fmt: skip
+        summaries[seed] = sac_rlhf.main(args)
+    assert all(summary["run_name"].startswith("Windmill-v0__mill__") for summary in summaries.values())
+    report = compare.main(compare.Args(runs=["runs"], out="report", bootstrap_reps=50, metric="objective_return"))
+    runs = sorted((row for row in report["rows"] if row["run"]), key=lambda row: row["seed"])
+    assert [(row["group"], row["seed"]) for row in runs] == [("mill", 1), ("mill", 2)], runs
+    for row in runs:
+        assert row["final_return"] == pytest.approx(summaries[row["seed"]]["final_objective_return"], rel=1e-5)
+
+
 def test_baseline_ppo_runs_a_module_env_id(chdir_tmp):
     import ppo
 

@@ -28,6 +28,7 @@ import numpy as np
 import tyro
 
 from cleanrlhf_utils.arguments import parse_args
+from cleanrlhf_utils.tracking import run_name_env
 
 # Every PNG has this size: FIG_SIZE inches at DPI dots per inch (800 x 450 pixels), saved without a
 # "tight" bounding box so the size never depends on the labels.
@@ -269,7 +270,7 @@ def default_group(run: Run, single_env: bool) -> str:
     parts = run.name.split("__")
     if seed is not None and str(seed) in parts[1:]:
         kept = parts[: parts.index(str(seed), 1)]  # the seed and what follows it (the start time)
-        env = str(run.args.get("env_id", "")).replace("/", "_")
+        env = run_name_env(str(run.args.get("env_id", "")))
         if single_env and len(kept) > 1 and kept[0] == env:
             kept = kept[1:]
         return "__".join(kept)

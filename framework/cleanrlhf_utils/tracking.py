@@ -8,12 +8,15 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from .evaluate import success_summary
+
+def run_name_env(env_id: str) -> str:
+    """The env's part of a default run name: my_package.my_module:MyEnv-v0 -> MyEnv-v0, dm_control/walker-walk-v0 ->
+    dm_control_walker-walk-v0."""
+    return env_id.rpartition(":")[2].replace("/", "_")
 
 
 def default_run_name(args) -> str:
-    env = args.env_id.rpartition(":")[2].replace("/", "_")  # my_package.my_module:MyEnv-v0 -> MyEnv-v0
-    return f"{env}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    return f"{run_name_env(args.env_id)}__{args.exp_name}__{args.seed}__{int(time.time())}"
 
 
 SECRET_ARGS = ("feedback_server_token",)
@@ -121,6 +124,8 @@ def run_summary(
     """runs/<run>/summary.json of a preference-learning run (sweeps and the toolbox read it). `wall`: this process's
     training seconds; `earlier_wall`: those of the processes before it (a resumed run's checkpoint keeps them), so
     wall_seconds is the whole run's; sps is this process's (its steps over its seconds)."""
+    from .evaluate import success_summary  # here, not at the top: the toolbox reads run names without torch and gym
+
     return {
         "run_name": run_name, "env_id": args.env_id, "teacher_feedback_mode": args.teacher_feedback_mode,
         "global_step": loop.global_step, "final_eval_return": float(loop.last_eval_return), **success_summary(loop.last_eval_return),
