@@ -270,7 +270,10 @@ def test_feedback_async_puts_the_next_pairs_up_before_the_reward_update(chdir_tm
     labeller = Labeller(base, seconds=0.2)
     labeller.start()
     try:  # session 2 is due 10 steps after session 1 opens: long before a person has answered 5 pairs
-        args = human_args("s", base, total_timesteps=1400, feedback_async=True, feedback_async_poll_steps=10, teacher_feedback_frequency=10)
+        args = human_args(
+            "s", base, total_timesteps=1400, feedback_async=True, feedback_async_poll_steps=10, teacher_feedback_frequency=10,
+            feedback_check_clips=2,  # the reward check's clips render while the next session's do
+        )  # fmt: skip
         summary = sac_rlhf.main(args)
     finally:
         labeller.stop.set()
@@ -283,6 +286,8 @@ def test_feedback_async_puts_the_next_pairs_up_before_the_reward_update(chdir_tm
     np.testing.assert_array_equal(prefs["labels"], np.array(expected, dtype=np.float32))
     assert [r[1] for r in log_rows("runs/s/labels.sqlite")] == expected and summary["feedback_sessions"] == 2
     assert summary["people_idle_seconds"] < 1.0, summary  # without staging: >= the 1.5 s update
+    check_clips = sorted(path.name for path in Path("videos/s/clips").glob("*_check_*.mp4"))
+    assert len(check_clips) == 4 and all(Path("videos/s/clips", name).stat().st_size > 1000 for name in check_clips), check_clips
 
 
 def test_staged_pairs_survive_an_interrupted_reward_update(chdir_tmp, monkeypatch):

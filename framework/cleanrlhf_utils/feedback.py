@@ -306,6 +306,7 @@ class HumanTeacher(Teacher):
         self.answers: dict[int, dict] = {}  # query id -> latest answer; survives an interrupted session
         self.open: dict | None = None  # the open session: {"session": n, "query_ids": [id or None per pair]}
         self.worker, self.stop_upload, self.upload_errors = None, threading.Event(), []
+        self.render_lock = threading.Lock()  # --feedback-async: the next session's clips render during the reward check's
         # The trainer's news for the page (report_progress): when sessions come, how fast steps go, the last sent.
         self.total_steps, self.first_session_step, self.session_frequency = 0, 0, 1
         self.step, self.sessions_done, self.sessions_total = 0, 0, 0
@@ -356,10 +357,11 @@ class HumanTeacher(Teacher):
         """A clip in clip_dir, written under a temporary name first: a clip of that name already there is complete, and
         is reused (a resumed session re-sends the bytes the server may already hold, which it accepts only unchanged)."""
         path = self.clip_dir / name
-        if not path.exists():
-            partial = path.with_name(f".{name}.part.mp4")
-            write_mp4(partial, segment_frames(self.renderer, states, mask), self.fps)
-            os.replace(partial, path)
+        with self.render_lock:  # one renderer (one GL context): the upload thread and the reward check take turns
+            if not path.exists():
+                partial = path.with_name(f".{name}.part.mp4")
+                write_mp4(partial, segment_frames(self.renderer, states, mask), self.fps)
+                os.replace(partial, path)
         return path
 
     def _render_and_upload(self, segments: dict, session: int, query_ids: list, stop: threading.Event, errors: list) -> None:
