@@ -251,22 +251,30 @@ def test_feedback_async_trains_while_people_label(chdir_tmp):
     assert summary["trainer_idle_seconds"] == pytest.approx(sum(idle), abs=1e-3) and summary["trainer_idle_seconds"] < 4.0
 
 
+def slow_reward_updates(monkeypatch, script, seconds: float = 1.5) -> list[tuple[float, float]]:
+    """Makes the script's reward update `seconds` slower (the real update runs after the wait), as a person who gets
+    some answers wrong makes it (all epochs, up to 40 s in bench/simulated_person.py). Returns the list that receives
+    each update's (start, end) in time.monotonic()."""
+    updates, real_train = [], script.train_reward_model
+
+    def slow_train(*args, **kwargs):
+        begun = time.monotonic()
+        time.sleep(seconds)
+        stats = real_train(*args, **kwargs)
+        updates.append((begun, time.monotonic()))
+        return stats
+
+    monkeypatch.setattr(script, "train_reward_model", slow_train)
+    return updates
+
+
 def test_feedback_async_puts_the_next_pairs_up_before_the_reward_update(chdir_tmp, monkeypatch):
     """Issue 26, part 4: a simulated person waited at every session boundary through the reward update, the
     relabel, the selection and the first clip (up to 40 s). With --feedback-async the next session's pairs, chosen by
     the model as it stood, go up before the update: the person gets session 2's first pair while the reward model
     still learns from session 1 (an update made 1.5 s slow here), and every answer still arrives exactly once."""
     base = f"http://127.0.0.1:{free_port()}"
-    updates, real_train = [], sac_rlhf.train_reward_model
-
-    def slow_train(*args, **kwargs):
-        begun = time.monotonic()
-        time.sleep(1.5)
-        stats = real_train(*args, **kwargs)
-        updates.append((begun, time.monotonic()))
-        return stats
-
-    monkeypatch.setattr(sac_rlhf, "train_reward_model", slow_train)
+    updates = slow_reward_updates(monkeypatch, sac_rlhf)
     labeller = Labeller(base, seconds=0.2)
     labeller.start()
     try:  # session 2 is due 10 steps after session 1 opens: long before a person has answered 5 pairs

@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -585,20 +584,11 @@ def test_feedback_async_puts_the_next_pairs_up_before_the_reward_update(chdir_tm
     """As sac_rlhf.py's test in test_feedback_resume.py: with --feedback-async, session 2's pairs are on the page while
     the reward model still learns from session 1's answers (an update made 1.5 s slow), and every answer counts once."""
     pytest.importorskip("requests")
-    from test_feedback_resume import Labeller
+    from test_feedback_resume import Labeller, slow_reward_updates
     from test_human_feedback import free_port
 
     base = f"http://127.0.0.1:{free_port()}"
-    updates, real_train = [], pref_ppo.train_reward_model
-
-    def slow_train(*args, **kwargs):
-        begun = time.monotonic()
-        time.sleep(1.5)
-        stats = real_train(*args, **kwargs)
-        updates.append((begun, time.monotonic()))
-        return stats
-
-    monkeypatch.setattr(pref_ppo, "train_reward_model", slow_train)
+    updates = slow_reward_updates(monkeypatch, pref_ppo)
     labeller = Labeller(base, seconds=0.1)
     labeller.start()
     args = hopper_args(
