@@ -256,7 +256,8 @@ def combine(paths: list[Path], output: Path) -> None:
         raise SystemExit(f"error: --combine: more than one run of (task, kind, seed) {repeated[0]}; give each run once")
     resolved = {task: spec for result in results for task, spec in result["settings"]["tasks_resolved"].items()}
     settings = {key: first.get(key) for key in COMBINED_SETTINGS} | {"tasks_resolved": resolved, "combined_from": [str(p) for p in paths]}
-    header = {"benchmark": "reward_gap", "machine": [result["machine"] for result in results], "settings": settings}
+    machines = [result["machine"] for result in results]  # the first as `machine`, as every results file has one
+    header = {"benchmark": "reward_gap", "machine": machines[0], "machines": machines, "settings": settings}
     report(sorted(rows, key=lambda row: (row["task"], row["seed"])), header, output)
 
 

@@ -274,7 +274,7 @@ def test_combine_reports_the_runs_of_several_invocations_as_one_table_and_refuse
     kinds = {entry["kind"]: entry for entry in report["decomposition"]}
     assert kinds["frozen"]["seeds"] == 3 and kinds["frozen"]["final_eval_return_ratio"]["median"] == pytest.approx(0.8)  # 0.8, 0.5, 1
     assert kinds["online"]["final_eval_return_ratio"]["median"] == pytest.approx(0.5)  # 0.5, 1, 0.5
-    assert report["settings"]["combined_from"] == [str(seed1), str(seeds23)]
+    assert report["settings"]["combined_from"] == [str(seed1), str(seeds23)] and report["machine"] == report["machines"][0]
 
     other_steps = gap_result(tmp_path / "c.json", {("sac", 4): 1, ("frozen", 4): 1, ("online", 4): 1}, steps=50_000)
     for extra, message in [(other_steps, "ran with steps=50000"), (seed1, "more than one run of (task, kind, seed)")]:
