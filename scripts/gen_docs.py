@@ -423,6 +423,31 @@ MEASUREMENT_COLUMNS = {
 }
 
 
+def spread_cell(entry: dict | None, digits: int) -> str:
+    """A median with its interquartile range over seeds, `m [q25, q75]` (bench/reward_gap.py's spreads)."""
+    if not entry or entry.get("median") is None:
+        return "–"
+    return f"{entry['median']:.{digits}f} [{entry['q25']:.{digits}f}, {entry['q75']:.{digits}f}]"
+
+
+def gap_table(result: dict) -> list[str]:
+    """bench/reward_gap.py's decomposition: per task and kind of run, the returns and their ratios to SAC on the same
+    seed (median [interquartile range] over seeds), then the medians of what the runs measured."""
+    lines = [
+        "| task | run | seeds | final return | × SAC | last 3 evaluations × SAC | r step | r segment | held-out acc | reward std | α | entropy |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for entry in result["decomposition"]:
+        cells = [
+            markdown_text(entry["task"]), entry["kind"], str(entry["seeds"]), spread_cell(entry["final_eval_return"], 0),
+            spread_cell(entry["final_eval_return_ratio"], 2), spread_cell(entry["last_return_ratio"], 2),
+            *(number(entry.get(key), 2) for key in ("reward_correlation", "segment_correlation", "heldout_accuracy")),
+            number(entry.get("learned_reward_std"), 3), number(entry.get("final_alpha"), 3), number(entry.get("final_policy_entropy"), 1),
+        ]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
 def measurements_page(results: dict[str, dict]) -> str:
     lines = [
         GENERATED.format(source="bench/results/*.json"),
@@ -469,7 +494,7 @@ def measurements_page(results: dict[str, dict]) -> str:
 #   <!-- table: feedback feedback_efficiency_walker_walk_qpa feedback_efficiency_walker_walk_qpa_seed3 -->
 #   <!-- /table -->
 # `feedback`: the per-seed table of feedback-efficiency files (rows of all files, a median row); `rows`: one file's
-# `rows` (or `results`, `medians`) as they are.
+# `rows` (or `results`, `medians`) as they are; `gap`: a bench/reward_gap.py file's decomposition.
 TABLE_MARKER = re.compile(r"(<!-- table: (\w+) ([^>]*?) -->\n)(.*?)(<!-- /table -->)", re.S)
 
 
@@ -480,12 +505,14 @@ def marked_table(kind: str, stems: list[str], results: dict[str, dict], where: s
     if kind == "feedback":
         rows = [row for stem in stems for row in results[stem]["rows"]]
         return "\n".join(feedback_table(rows, is_ppo(results[stems[0]]))) + "\n"
+    if kind == "gap":
+        return "\n".join(gap_table(results[stems[0]])) + "\n"
     if kind == "rows":
         result = results[stems[0]]
         rows = next(result[key] for key in ("rows", "results", "medians") if isinstance(result.get(key), list))
         kind_columns = next((columns for prefix, columns in MEASUREMENT_COLUMNS.items() if stems[0].startswith(prefix)), None)
         return "\n".join(generic_table(rows, kind_columns)) + "\n"
-    raise SystemExit(f"{where}: unknown table kind {kind!r} (feedback, rows)")
+    raise SystemExit(f"{where}: unknown table kind {kind!r} (feedback, rows, gap)")
 
 
 def fill_tables(text: str, results: dict[str, dict], where: str) -> str:

@@ -272,3 +272,21 @@ def test_every_file_the_pages_name_in_scripts_dev_slurm_and_bench_exists():
             continue
         for path in set(re.findall(pattern, page.read_text())):
             assert (REPO / path).exists(), f"{page.relative_to(REPO)} names {path}, which does not exist"
+
+
+def test_a_gap_table_shows_the_decomposition_with_medians_and_interquartile_ranges():
+    """`<!-- table: gap <stem> -->` fills a page with bench/reward_gap.py's decomposition: per kind of run, the median
+    return and ratio to SAC with their interquartile range over seeds, and the medians of what the runs measured."""
+    spread = {"median": 0.8, "q25": 0.5, "q75": 1.0}
+    entry = {"task": "dm_control/cheetah-run-v0", "kind": "frozen", "seeds": 3, "last_return_ratio": spread}
+    entry |= {"final_eval_return": {"median": 300.0, "q25": 200.0, "q75": 350.0}, "final_eval_return_ratio": spread}
+    entry |= {"reward_correlation": 0.87, "segment_correlation": None, "heldout_accuracy": 0.9, "learned_reward_std": 0.489}
+    entry |= {"final_alpha": 0.025, "final_policy_entropy": -5.96}
+    page = "before\n<!-- table: gap reward_gap_x -->\nold\n<!-- /table -->\nafter"
+    filled = gen_docs.fill_tables(page, {"reward_gap_x": {"decomposition": [entry]}}, "page.md")
+    row = filled.split("\n")[4]
+    assert (
+        row
+        == "| dm\\_control/cheetah-run-v0 | frozen | 3 | 300 [200, 350] | 0.80 [0.50, 1.00] | 0.80 [0.50, 1.00] | 0.87 | – | 0.90 | 0.489 | 0.025 | -6.0 |"
+    )
+    assert filled.startswith("before\n<!-- table: gap reward_gap_x -->\n| task |") and filled.endswith("<!-- /table -->\nafter")
