@@ -10,9 +10,10 @@ Reports per run and as medians per objective: the final evaluation's objective r
 the share of evaluation time turning the preferred way; Hopper: completed backflips per episode), the env's own return
 (0 by design on the windmill), and the labels used. The ceiling is the best the objective allows, measured on the same
 evaluation seeds: on the windmill, full motor torque the preferred way at every step (what SAC on the objective as its
-reward converges to); other behaviours have no scripted ceiling here (SAC on the objective as reward is the next step).
-Target (issue 26): windmill, after <= 50 labels, >= 95 % of evaluation time turning the preferred way, both directions,
-3 seeds.
+reward converges to); on the other behaviours, SAC (sac.py --reward-objective) trained on the objective as its reward
+with the same seeds and steps, in the same pool of runs, and `return_ratio` is the preference run's objective return
+over that SAC's. Targets (issue 26): windmill, after <= 50 labels, >= 95 % of evaluation time turning the preferred way,
+both directions, 3 seeds; Hopper backflip, <= 1000 labels, median >= 1 completed backflip per episode and ratio >= 0.8.
 """
 
 import argparse
@@ -88,20 +89,31 @@ def main() -> None:
                 "--learning-starts", str(min(1000, args.explore_steps)), "--teacher-feedback-total-queries", str(args.labels),
                 "--teacher-feedback-num-queries-per-session", str(args.queries_per_session),
                 "--teacher-feedback-frequency", str(args.feedback_frequency), "--evaluation-frequency", str(args.evaluation_frequency),
-                "--evaluation-episodes", str(EVALUATION_EPISODES), "--torch-threads", "1", "--no-cuda",
+                "--evaluation-episodes", str(EVALUATION_EPISODES), "--checkpoint-frequency", "0", "--torch-threads", "1",
+                "--no-cuda",
             ]  # fmt: skip
-            jobs.append((objective_name, seed, run_name, flags))
+            jobs.append((objective_name, seed, run_name, "sac_rlhf.py", flags))
+            if args.behaviour != "windmill":  # the ceiling: SAC with the objective as its reward, same seed and steps
+                ceiling_flags = [
+                    "--env-id", env_id, "--reward-objective", objective_name, "--seed", str(seed),
+                    "--run-name", f"{run_name}__sac", "--total-timesteps", str(args.steps),
+                    "--evaluation-frequency", str(args.evaluation_frequency), "--evaluation-episodes", str(EVALUATION_EPISODES),
+                    "--torch-threads", "1", "--no-cuda",
+                ]  # fmt: skip
+                jobs.append((objective_name, seed, f"{run_name}__sac", "sac.py", ceiling_flags))
     started = time.time()
     run_pool(
         [
-            lambda flags=flags, name=name: start_script("sac_rlhf.py", flags, args.workdir, log=args.workdir / f"{name}.log")
-            for *_, name, flags in jobs
+            lambda script=script, flags=flags, name=name: start_script(script, flags, args.workdir, log=args.workdir / f"{name}.log")
+            for *_, name, script, flags in jobs
         ],
-        [name for *_, name, _ in jobs],
+        [name for *_, name, _, _ in jobs],
         args.parallel,
     )
     rows = []
-    for objective_name, seed, run_name, _ in jobs:
+    for objective_name, seed, run_name, script, _ in jobs:
+        if script == "sac.py":
+            continue  # read beside its preference run
         summary = read_summary(args.workdir, run_name)
         row = {
             "objective": objective_name, "seed": seed, "steps": summary["global_step"], "labels": summary["labels_obtained"],
@@ -110,7 +122,14 @@ def main() -> None:
         }  # fmt: skip
         if args.behaviour == "windmill":
             row |= windmill_ceiling(objective_name, seed)
-            row["return_ratio"] = row["objective_return"] / row["ceiling_objective_return"]
+        else:
+            ceiling = read_summary(args.workdir, f"{run_name}__sac")
+            row |= {
+                "ceiling_objective_return": ceiling["final_objective_return"],
+                "ceiling_objective_success": ceiling.get("final_objective_success"),
+                "ceiling_env_return": ceiling["final_eval_return"],
+            }
+        row["return_ratio"] = row["objective_return"] / row["ceiling_objective_return"]
         rows.append(row)
     medians = []
     for objective_name in objective_names:
@@ -123,11 +142,13 @@ def main() -> None:
                 if key not in ("objective", "seed") and mine[0][key] is not None
             }
         )
-    columns = ["objective", "seed", "labels", "env_return", "objective_return", "objective_success", "wall_seconds"]
-    print_table(rows, columns + (["return_ratio"] if args.behaviour == "windmill" else []))
+    columns = ["objective", "seed", "labels", "env_return", "objective_return", "objective_success"]
+    print_table(rows, [*columns, "ceiling_objective_return", "ceiling_objective_success", "return_ratio", "wall_seconds"])
     output = args.output if args.output.is_absolute() else REPO / args.output
     command = "python bench/novel_behaviours.py " + " ".join(
         [f"--behaviour {args.behaviour}", "--seeds " + " ".join(map(str, args.seeds)), f"--steps {args.steps}", f"--labels {args.labels}"]
+        + [f"--explore-steps {args.explore_steps}", f"--feedback-frequency {args.feedback_frequency}"]
+        + [f"--queries-per-session {args.queries_per_session}", f"--evaluation-frequency {args.evaluation_frequency}"]
         + [f"--output {output.relative_to(REPO)}"]
     )
     write_json(
