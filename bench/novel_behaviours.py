@@ -149,7 +149,7 @@ def main() -> None:
         [f"--behaviour {args.behaviour}", "--seeds " + " ".join(map(str, args.seeds)), f"--steps {args.steps}", f"--labels {args.labels}"]
         + [f"--explore-steps {args.explore_steps}", f"--feedback-frequency {args.feedback_frequency}"]
         + [f"--queries-per-session {args.queries_per_session}", f"--evaluation-frequency {args.evaluation_frequency}"]
-        + [f"--output {output.relative_to(REPO)}"]
+        + [f"--output {output.relative_to(REPO) if output.is_relative_to(REPO) else output}"]  # outside: as given
     )
     write_json(
         output,
