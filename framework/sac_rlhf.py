@@ -66,7 +66,7 @@ from cleanrlhf_utils.feedback import (
     record_labels,
     validate_feedback_args,
 )
-from cleanrlhf_utils.objectives import Objective, apply_objective, check_objective, load_objective, segment_rewards
+from cleanrlhf_utils.objectives import Objective, apply_objective, check_objective, load_objective, segment_rewards, step_rewards
 from cleanrlhf_utils.presets import PresetArgs
 from cleanrlhf_utils.tracking import (
     AGENT_MEASURES,
@@ -771,33 +771,47 @@ class RewardStandardizer:
         self.mean, self.std = float(state["mean"]), float(state["std"])
 
 
-def reward_correlation(rb: ReplayBuffer, recent: int = 10_000) -> float:
-    """Pearson correlation of learned and true reward over the most recent transitions."""
+def judged_rewards(rb: ReplayBuffer, objective: Objective | None) -> np.ndarray:
+    """The per-step reward the teacher judges by, for every slot of the replay buffer: the env's, or with
+    --teacher-objective the objective's (each step alone, as sac.py --reward-objective trains on it; in human mode the
+    intent the people are measured against). The reward model's accuracy and correlations are measured against it: a
+    backflip's labels say nothing of Hopper's forward reward, and the windmill's is 0 everywhere."""
+    if objective is None:
+        return rb.true_rewards
+    judged = np.zeros_like(rb.true_rewards)
+    judged[: rb.size] = step_rewards(objective, rb.obs[: rb.size], rb.actions[: rb.size], rb.physics_states[: rb.size])
+    return judged
+
+
+def reward_correlation(rb: ReplayBuffer, recent: int = 10_000, truth: np.ndarray | None = None) -> float:
+    """Pearson correlation of learned and true reward (`truth`, per buffer slot: judged_rewards; default the env's)
+    over the most recent transitions."""
     n = min(recent, rb.size)
     idx = (rb.pos - 1 - np.arange(n)) % rb.capacity
-    learned, true = rb.learned_rewards[idx], rb.true_rewards[idx]
+    learned, true = rb.learned_rewards[idx], (rb.true_rewards if truth is None else truth)[idx]
     if n < 2 or learned.std() == 0 or true.std() == 0:
         return float("nan")
     return float(np.corrcoef(learned, true)[0, 1])
 
 
-def segment_correlation(rb: ReplayBuffer, pairs: int, length: int, rng: np.random.Generator) -> float:
+def segment_correlation(rb: ReplayBuffer, pairs: int, length: int, rng: np.random.Generator, truth: np.ndarray | None = None) -> float:
     """Pearson correlation of learned and true returns of 2 x `pairs` random segments of `length` steps, drawn from the
     whole replay buffer as query pairs are: what the labels constrain, where reward_correlation compares single steps.
     A model that ranks segments well can still spread the reward over the steps inside them in another shape."""
     if rb.size < 2:
         return float("nan")
     idx, mask = rb.sample_segment_pairs(pairs, length, rng)
-    learned, true = ((rb.learned_rewards[idx] * mask).sum(-1).ravel(), (rb.true_rewards[idx] * mask).sum(-1).ravel())
+    true_rewards = rb.true_rewards if truth is None else truth
+    learned, true = ((rb.learned_rewards[idx] * mask).sum(-1).ravel(), (true_rewards[idx] * mask).sum(-1).ravel())
     if learned.std() == 0 or true.std() == 0:
         return float("nan")
     return float(np.corrcoef(learned, true)[0, 1])
 
 
-def reward_scale(rb: ReplayBuffer) -> dict:
+def reward_scale(rb: ReplayBuffer, truth: np.ndarray | None = None) -> dict:
     """Mean and std of the learned reward over the replay buffer as the agent trains on it (after --reward-standardize,
     0 and 1), and of the true reward: the scale SAC's temperature alpha weighs the policy's entropy against."""
-    learned, true = rb.learned_rewards[: rb.size], rb.true_rewards[: rb.size]
+    learned, true = rb.learned_rewards[: rb.size], (rb.true_rewards if truth is None else truth)[: rb.size]
     if rb.size == 0:
         return dict.fromkeys(("learned_reward_mean", "learned_reward_std", "true_reward_mean", "true_reward_std"), float("nan"))
     return {
@@ -1224,11 +1238,13 @@ def surf_loss(
     return loss, int(confident.sum())
 
 
-def fresh_pair_accuracy(model: RewardEnsemble, rb: ReplayBuffer, num_pairs: int, length: int, rng: np.random.Generator, device) -> float:
-    """Agreement of the ensemble-mean preference with the true reward on fresh random pairs of the replay buffer (ties
-    left out): how well the model generalises, measured without spending a label."""
+def fresh_pair_accuracy(
+    model: RewardEnsemble, rb: ReplayBuffer, num_pairs: int, length: int, rng: np.random.Generator, device, truth: np.ndarray | None = None
+) -> float:
+    """Agreement of the ensemble-mean preference with the true reward (`truth`: judged_rewards; default the env's) on
+    fresh random pairs of the replay buffer (ties left out): how well the model generalises, without spending a label."""
     idx, mask = rb.sample_segment_pairs(num_pairs, length, rng)
-    returns = (rb.true_rewards[idx] * mask).sum(-1)
+    returns = ((rb.true_rewards if truth is None else truth)[idx] * mask).sum(-1)
     decided = returns[:, 0] != returns[:, 1]
     if not decided.any():
         return float("nan")
@@ -1244,22 +1260,24 @@ def reward_model_metrics(
     model: RewardEnsemble, prefs: PreferenceBuffer, rb: ReplayBuffer, args: Args, fresh: bool, step: int, device
 ) -> dict:
     """Agreement with the labels trained on and the held-out ones (with `fresh`: fresh oracle-labelled pairs instead),
-    correlation with the true reward per step and per segment, and the scale of both rewards (reward_scale). Fresh
+    correlation with the true reward per step and per segment, and the scale of both rewards (reward_scale), the true
+    reward being the one the teacher judges by (judged_rewards: --teacher-objective's where one is given). Fresh
     pairs and the segments draw from their own generators, seeded by the step, so that measuring leaves the run's
     random numbers alone."""
+    truth = judged_rewards(rb, load_objective(args.teacher_objective))
     if fresh:
         rng = np.random.default_rng((args.seed, step))
-        heldout = fresh_pair_accuracy(model, rb, args.heldout_fresh_pairs, args.segment_length, rng, device)
+        heldout = fresh_pair_accuracy(model, rb, args.heldout_fresh_pairs, args.segment_length, rng, device, truth)
     else:
         heldout = preference_accuracy(model, prefs, prefs.split(True), device)
     return {
         "train_accuracy": preference_accuracy(model, prefs, prefs.split(False), device),
         "heldout_accuracy": heldout,
-        "reward_correlation": reward_correlation(rb),
+        "reward_correlation": reward_correlation(rb, truth=truth),
         "segment_correlation": segment_correlation(
-            rb, args.heldout_fresh_pairs, args.segment_length, np.random.default_rng((args.seed, step, 1))
+            rb, args.heldout_fresh_pairs, args.segment_length, np.random.default_rng((args.seed, step, 1)), truth
         ),
-        **reward_scale(rb),
+        **reward_scale(rb, truth),
     }
 
 

@@ -641,6 +641,36 @@ def test_synthetic_labels_all_train_and_heldout_accuracy_comes_from_fresh_pairs(
     assert math.isnan(algo.reward_model_metrics(model, prefs, rb, args, False, 500, CPU)["heldout_accuracy"])
 
 
+def model_reward_objective(obs, actions, states):
+    """A --teacher-objective (loaded as test_components:model_reward_objective) that is the known step reward."""
+    return np.tanh(obs[..., 0] - 0.5 * obs[..., 1])
+
+
+def test_with_an_objective_the_reward_model_is_measured_against_the_objective_not_the_env(algo):
+    """A run on --teacher-objective learns the objective, so its accuracy and correlations must be measured against
+    it: here the env's own reward is the objective's opposite, and a model that learned the objective exactly must
+    score 1.0, where measured against the env it scores 0 (and on the zero-reward windmill, nothing at all)."""
+    rng = np.random.default_rng(0)
+    rb = algo.ReplayBuffer(1000, OBS_DIM, ACTION_DIM, 1)
+    for i, x in enumerate(rng.standard_normal((1000, INPUT_DIM)).astype(np.float32)):
+        rb.add(x[:OBS_DIM], x[:OBS_DIM], x[OBS_DIM:], -true_step_reward(x), 0.0, i // 100, np.zeros(1))
+    model = linear_reward_model(algo, [1.0, -0.5, 0.0, 0.0])  # the objective exactly
+    rb.learned_rewards[: rb.size] = true_step_reward(np.concatenate([rb.obs, rb.actions], -1))[: rb.size]
+    prefs = algo.PreferenceBuffer(SEG_LEN, INPUT_DIM, 1)
+    env_args = algo.Args(segment_length=SEG_LEN, heldout_fresh_pairs=300)
+    objective_args = algo.Args(
+        segment_length=SEG_LEN, heldout_fresh_pairs=300, teacher_objective="test_components:model_reward_objective"
+    )
+    against_env = algo.reward_model_metrics(model, prefs, rb, env_args, True, 500, CPU)
+    against_objective = algo.reward_model_metrics(model, prefs, rb, objective_args, True, 500, CPU)
+    assert against_env["heldout_accuracy"] == 0.0 and against_env["reward_correlation"] == pytest.approx(-1.0)
+    assert against_objective["heldout_accuracy"] == 1.0
+    assert against_objective["reward_correlation"] == pytest.approx(1.0)
+    assert against_objective["segment_correlation"] == pytest.approx(1.0)
+    assert against_objective["true_reward_mean"] == pytest.approx(-against_env["true_reward_mean"], abs=1e-6)
+    np.testing.assert_array_equal(rb.true_rewards[: rb.size], -rb.learned_rewards[: rb.size])  # the buffer is untouched
+
+
 # ----------------------------------------------------------------------------------------
 # QPA: policy-aligned queries, hybrid experience replay, cropped copies of labelled pairs
 # ----------------------------------------------------------------------------------------

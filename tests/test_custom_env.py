@@ -121,6 +121,8 @@ def test_zero_reward_windmill_learns_its_direction_from_labels_alone(chdir_tmp):
     assert summary["final_eval_return"] == 0.0 and summary["labels_obtained"] == 30
     assert summary["final_objective_success"] > 0.8, summary
     assert summary["final_objective_return"] > 0
+    # The reward model is measured against what the labels meant (the env's reward is 0: nothing to measure there).
+    assert summary["heldout_accuracy"] > 0.8 and summary["reward_correlation"] > 0.5, summary
 
 
 def test_sac_rlhf_trains_on_the_windmill_with_an_objective(chdir_tmp):

@@ -32,6 +32,7 @@ LOCKSTEP = [
     "predict_rewards",
     "relabel_replay_buffer",
     "RewardStandardizer",
+    "judged_rewards",
     "reward_correlation",
     "segment_correlation",
     "reward_scale",

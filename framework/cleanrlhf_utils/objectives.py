@@ -294,6 +294,13 @@ def segment_rewards(objective: Objective, segments: dict, obs_dim: int) -> Array
     return np.asarray(rewards, dtype=np.float64).reshape(n, pair, length) * segments["masks"]
 
 
+def step_rewards(objective: Objective, obs: Array, actions: Array, states: Array) -> Array:
+    """The objective's reward of N transitions [N] (obs, actions, states [N, ...]), each step taken alone as a
+    one-step segment: what sac.py --reward-objective trains on, and what a run's reward model is measured against."""
+    rewards = objective.reward(obs[:, None].astype(np.float64), actions[:, None].astype(np.float64), states[:, None])
+    return np.asarray(rewards, dtype=np.float64)[:, 0]
+
+
 def episode_measures(objective: Objective, obs: Array, actions: Array, states: Array) -> tuple[float, float | None]:
     """One evaluation episode's objective return and success measure (None when the objective has none). obs and
     states hold T + 1 rows (the final observation too), actions T."""
@@ -325,12 +332,11 @@ class ObjectiveReward:
                 return obs, info
 
             def step(self, action):
-                state = get_physics_state(self.env)[None, None]
-                before = np.asarray(self.last_obs, dtype=np.float64)[None, None]
+                state = get_physics_state(self.env)[None]
+                before = np.asarray(self.last_obs, dtype=np.float64)[None]
                 obs, reward, terminated, truncated, info = self.env.step(action)
                 self.last_obs = obs
-                actions = np.asarray(action, dtype=np.float64).reshape(1, 1, -1)
-                value = float(np.asarray(objective.reward(before, actions, state))[0, 0])
+                value = float(step_rewards(objective, before, np.asarray(action, dtype=np.float64).reshape(1, -1), state)[0])
                 return obs, value, terminated, truncated, info | {"env_reward": reward}
 
         return Wrapper(self.thunk())
