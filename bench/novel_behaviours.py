@@ -17,6 +17,8 @@ both directions, 3 seeds; Hopper backflip, <= 1000 labels, median >= 1 completed
 """
 
 import argparse
+import json
+import shlex
 import statistics
 import time
 from pathlib import Path
@@ -62,6 +64,27 @@ def windmill_ceiling(objective_name: str, seed: int) -> dict:
     }
 
 
+def relative(path: Path) -> Path:
+    """A path as the command line gives it: relative to the repository where it is inside it."""
+    path = path.resolve()
+    return path.relative_to(REPO) if path.is_relative_to(REPO) else path
+
+
+# What a SAC-on-objective run depends on: one from an earlier invocation is read only where all of these agree.
+CEILING_SETTINGS = ("env_id", "reward_objective", "seed", "total_timesteps", "evaluation_frequency", "evaluation_episodes")
+
+
+def earlier_ceiling(args, env_id: str, objective_name: str, seed: int) -> Path:
+    """The run directory in --ceiling-from of SAC on `objective_name` with this invocation's settings, or exit."""
+    wanted = {"env_id": env_id, "reward_objective": objective_name, "seed": seed, "total_timesteps": args.steps}
+    wanted |= {"evaluation_frequency": args.evaluation_frequency, "evaluation_episodes": EVALUATION_EPISODES}
+    for run_args in sorted((args.ceiling_from / "runs").glob("*__sac/args.json")):
+        recorded = json.loads(run_args.read_text())
+        if all(recorded.get(key) == wanted[key] for key in CEILING_SETTINGS):
+            return run_args.parent
+    raise SystemExit(f"--ceiling-from {args.ceiling_from}: no SAC run there with {wanted}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--behaviour", choices=list(BEHAVIOURS), default="windmill")
@@ -72,13 +95,23 @@ def main() -> None:
     parser.add_argument("--feedback-frequency", type=int, default=500)
     parser.add_argument("--queries-per-session", type=int, default=10)
     parser.add_argument("--evaluation-frequency", type=int, default=1000)
+    parser.add_argument("--preference-flags", default="", help="more sac_rlhf.py flags for the preference runs, one string")
+    parser.add_argument(
+        "--ceiling-from",
+        type=Path,
+        help="a workdir whose runs/ holds this benchmark's SAC-on-objective runs with the same env, objective, seeds, steps "
+        "and evaluations (from an earlier invocation, finished or still running): read, not run again",
+    )
     parser.add_argument("--parallel", type=int, default=2)
     parser.add_argument("--workdir", type=Path, default=REPO / "bench" / "workdir" / "novel_behaviours")
     parser.add_argument("--output", type=Path, default=REPO / "bench" / "results" / "novel_behaviours_windmill.json")
     args = parser.parse_args()
 
     env_id, objective_names = BEHAVIOURS[args.behaviour]
+    if args.ceiling_from is not None and args.behaviour == "windmill":
+        raise SystemExit("--ceiling-from: the windmill's ceiling is scripted (full torque), not a SAC run")
     stamp = int(time.time())
+    ceiling_runs = {}  # (objective, seed) -> the SAC-on-objective run's directory
     jobs = []
     for objective_name in objective_names:
         for seed in args.seeds:
@@ -90,10 +123,12 @@ def main() -> None:
                 "--teacher-feedback-num-queries-per-session", str(args.queries_per_session),
                 "--teacher-feedback-frequency", str(args.feedback_frequency), "--evaluation-frequency", str(args.evaluation_frequency),
                 "--evaluation-episodes", str(EVALUATION_EPISODES), "--checkpoint-frequency", "0", "--torch-threads", "1",
-                "--no-cuda",
+                "--no-cuda", *shlex.split(args.preference_flags),
             ]  # fmt: skip
             jobs.append((objective_name, seed, run_name, "sac_rlhf.py", flags))
-            if args.behaviour != "windmill":  # the ceiling: SAC with the objective as its reward, same seed and steps
+            if args.ceiling_from is not None:
+                ceiling_runs[objective_name, seed] = earlier_ceiling(args, env_id, objective_name, seed)
+            elif args.behaviour != "windmill":  # the ceiling: SAC with the objective as its reward, same seed and steps
                 ceiling_flags = [
                     "--env-id", env_id, "--reward-objective", objective_name, "--seed", str(seed),
                     "--run-name", f"{run_name}__sac", "--total-timesteps", str(args.steps),
@@ -101,6 +136,7 @@ def main() -> None:
                     "--torch-threads", "1", "--no-cuda",
                 ]  # fmt: skip
                 jobs.append((objective_name, seed, f"{run_name}__sac", "sac.py", ceiling_flags))
+                ceiling_runs[objective_name, seed] = args.workdir / "runs" / f"{run_name}__sac"
     started = time.time()
     run_pool(
         [
@@ -123,8 +159,12 @@ def main() -> None:
         if args.behaviour == "windmill":
             row |= windmill_ceiling(objective_name, seed)
         else:
-            ceiling = read_summary(args.workdir, f"{run_name}__sac")
+            ceiling_run = ceiling_runs[objective_name, seed]
+            if not (ceiling_run / "summary.json").exists():
+                raise SystemExit(f"the ceiling run {ceiling_run} has not finished (no summary.json); rerun once it has")
+            ceiling = json.loads((ceiling_run / "summary.json").read_text())
             row |= {
+                "ceiling_run": ceiling_run.name,
                 "ceiling_objective_return": ceiling["final_objective_return"],
                 "ceiling_objective_success": ceiling.get("final_objective_success"),
                 "ceiling_env_return": ceiling["final_eval_return"],
@@ -149,7 +189,9 @@ def main() -> None:
         [f"--behaviour {args.behaviour}", "--seeds " + " ".join(map(str, args.seeds)), f"--steps {args.steps}", f"--labels {args.labels}"]
         + [f"--explore-steps {args.explore_steps}", f"--feedback-frequency {args.feedback_frequency}"]
         + [f"--queries-per-session {args.queries_per_session}", f"--evaluation-frequency {args.evaluation_frequency}"]
-        + [f"--output {output.relative_to(REPO) if output.is_relative_to(REPO) else output}"]  # outside: as given
+        + ([f"--preference-flags={shlex.quote(args.preference_flags)}"] if args.preference_flags else [])
+        + ([f"--ceiling-from {relative(args.ceiling_from)}"] if args.ceiling_from else [])
+        + [f"--output {relative(output)}"]
     )
     write_json(
         output,
