@@ -11,13 +11,15 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
+BENCH = [
+    sys.executable, str(REPO / "bench/novel_behaviours.py"), "--behaviour", "hopper-backflip", "--seeds", "2",
+    "--labels", "4", "--explore-steps", "200", "--feedback-frequency", "200", "--queries-per-session", "2",
+    "--evaluation-frequency", "300",
+]  # fmt: skip
+
+
 def test_the_backflip_bench_runs_sac_on_the_objective_beside_each_preference_run(tmp_path):
-    command = [
-        sys.executable, str(REPO / "bench/novel_behaviours.py"), "--behaviour", "hopper-backflip", "--seeds", "2",
-        "--steps", "600", "--labels", "4", "--explore-steps", "200", "--feedback-frequency", "200",
-        "--queries-per-session", "2", "--evaluation-frequency", "300", "--workdir", str(tmp_path / "work"),
-        "--output", str(tmp_path / "backflip.json"),
-    ]  # fmt: skip
+    command = [*BENCH, "--steps", "600", "--workdir", str(tmp_path / "work"), "--output", str(tmp_path / "backflip.json")]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     report = json.loads((tmp_path / "backflip.json").read_text())
@@ -35,3 +37,20 @@ def test_the_backflip_bench_runs_sac_on_the_objective_beside_each_preference_run
     assert row["objective_return"] == preference["final_objective_return"] and row["labels"] == 4
     assert row["return_ratio"] == pytest.approx(preference["final_objective_return"] / ceiling["final_objective_return"])
     assert "--explore-steps 200" in report["command"] and "--queries-per-session 2" in report["command"]
+
+    # Another invocation reads that ceiling instead of running SAC again, with its own preference flags.
+    again = [*BENCH, "--steps", "600", "--workdir", str(tmp_path / "again"), "--output", str(tmp_path / "again.json")]
+    again += ["--ceiling-from", str(tmp_path / "work"), "--preference-flags=--no-surf --reward-ensemble-size 2"]
+    result = subprocess.run(again, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    [row] = json.loads((tmp_path / "again.json").read_text())["rows"]
+    assert row["ceiling_run"] == ceiling_run.name and row["ceiling_objective_return"] == ceiling["final_objective_return"]
+    [run] = (tmp_path / "again" / "runs").iterdir()  # no SAC run of its own
+    run_args = json.loads((run / "args.json").read_text())
+    assert run_args["surf"] is False and run_args["reward_ensemble_size"] == 2
+
+    # Ceilings of other settings are refused before anything runs: the same seed and objective, but 600 steps, not 900.
+    other = [*BENCH, "--steps", "900", "--workdir", str(tmp_path / "other"), "--output", str(tmp_path / "other.json")]
+    result = subprocess.run([*other, "--ceiling-from", str(tmp_path / "work")], capture_output=True, text=True, timeout=600)
+    assert result.returncode != 0 and "no SAC run there with" in result.stderr and "'total_timesteps': 900" in result.stderr
+    assert not (tmp_path / "other").exists()
