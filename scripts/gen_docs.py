@@ -405,6 +405,18 @@ def generic_table(rows: list[dict], columns: list[str] | None = None) -> list[st
 
 MEASUREMENT_COLUMNS = {
     "reward_learning": ["env", "stage", "strategy", "variant", "labels", "seeds", "acc", "acc_latest", "rho_step", "train_acc", "epochs"],
+    # per seed in docs/environments.md: what the teacher preferred, against the ceiling (SAC on the objective as reward)
+    "novel_behaviours": [
+        "objective",
+        "seed",
+        "labels",
+        "objective_success",
+        "ceiling_objective_success",
+        "objective_return",
+        "ceiling_objective_return",
+        "return_ratio",
+        "env_return",
+    ],
     "human_loop": ["env_id", "first_pair_s", "pairs_per_s", "clips_per_s", "ready10_s", "wait_s", "baseline_clips_per_s", "speedup"],
     # per seed in docs/human-feedback.md (the measurements page, whose medians have no seed column, shows them all)
     "simulated_person": [
