@@ -159,17 +159,18 @@ def earlier_baselines(paths: list[Path], args, base: str) -> dict[int, dict]:
 LAST_EVALUATIONS = 3
 
 
-def eval_curve(workdir: Path, run_name: str) -> list[list[float]]:
-    """[step, mean return] of every evaluation of a run, from its TensorBoard scalars."""
+def eval_curve(workdir: Path, run_name: str, tag: str = "eval/mean_return") -> list[list[float]]:
+    """[step, value] of every evaluation of a run, from its TensorBoard scalars: the mean return, or another eval/ tag
+    (eval/objective_return, eval/objective_success)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     accumulator = EventAccumulator(str(workdir / "runs" / run_name), size_guidance={"scalars": 0})
     accumulator.Reload()
-    return [[e.step, e.value] for e in accumulator.Scalars("eval/mean_return")]
+    return [[e.step, e.value] for e in accumulator.Scalars(tag)]
 
 
 def last_evaluations_mean(curve: list[list[float]] | None, count: int = LAST_EVALUATIONS) -> float | None:
-    """Mean return of the last `count` evaluations (None without a curve or with fewer evaluations)."""
+    """Mean value of the last `count` evaluations (None without a curve or with fewer evaluations)."""
     if not curve or len(curve) < count:
         return None
     return sum(value for _, value in curve[-count:]) / count

@@ -23,7 +23,8 @@ import statistics
 import time
 from pathlib import Path
 
-from common import REPO, machine_info, print_table, read_summary, run_pool, start_script, write_json
+from common import REPO, machine_info, print_table, run_pool, start_script, write_json
+from feedback_efficiency import eval_curve, last_evaluations_mean
 
 WINDMILL = "cleanrlhf_utils.example_envs.windmill:Windmill-v0"
 BEHAVIOURS = {
@@ -70,19 +71,69 @@ def relative(path: Path) -> Path:
     return path.relative_to(REPO) if path.is_relative_to(REPO) else path
 
 
-# What a SAC-on-objective run depends on: one from an earlier invocation is read only where all of these agree.
-CEILING_SETTINGS = ("env_id", "reward_objective", "seed", "total_timesteps", "evaluation_frequency", "evaluation_episodes")
+def same_setting(recorded, text: str) -> bool:
+    """Whether an args.json value is what the command-line `text` sets (numbers compared as numbers)."""
+    if isinstance(recorded, bool):
+        return text.lower() == str(recorded).lower()
+    if isinstance(recorded, (int, float)):
+        try:
+            return float(text) == float(recorded)
+        except ValueError:
+            return False
+    return str(recorded) == text
 
 
-def earlier_ceiling(args, env_id: str, objective_name: str, seed: int) -> Path:
-    """The run directory in --ceiling-from of SAC on `objective_name` with this invocation's settings, or exit."""
-    wanted = {"env_id": env_id, "reward_objective": objective_name, "seed": seed, "total_timesteps": args.steps}
-    wanted |= {"evaluation_frequency": args.evaluation_frequency, "evaluation_episodes": EVALUATION_EPISODES}
-    for run_args in sorted((args.ceiling_from / "runs").glob("*__sac/args.json")):
-        recorded = json.loads(run_args.read_text())
-        if all(recorded.get(key) == wanted[key] for key in CEILING_SETTINGS):
+def started_with(script: str, flags: list[str], recorded: dict) -> bool:
+    """Whether the run whose args.json is `recorded` is `script` started with `flags`, all but its --run-name:
+    `--some-flag value` as some_flag == value, a bare `--flag` as true and `--no-flag` as false."""
+    if recorded.get("exp_name") != Path(script).stem:
+        return False
+    index = 0
+    while index < len(flags):
+        key = flags[index].removeprefix("--").replace("-", "_")
+        if index + 1 < len(flags) and not flags[index + 1].startswith("--"):
+            value, index = flags[index + 1], index + 2
+            if key != "run_name" and (key not in recorded or not same_setting(recorded[key], value)):
+                return False
+        else:
+            index += 1
+            negated = key.removeprefix("no_")
+            if recorded.get(negated if negated != key and negated in recorded else key) is not (negated == key):
+                return False
+    return True
+
+
+def earlier_run(workdir: Path, script: str, flags: list[str], finished: bool) -> Path | None:
+    """A run directory in `workdir`/runs of `script` started with `flags` (with a summary.json where `finished`)."""
+    for run_args in sorted((workdir / "runs").glob("*/args.json")):
+        if finished and not (run_args.parent / "summary.json").exists():
+            continue
+        if started_with(script, flags, json.loads(run_args.read_text())):
             return run_args.parent
-    raise SystemExit(f"--ceiling-from {args.ceiling_from}: no SAC run there with {wanted}")
+    return None
+
+
+def last_evaluations(workdir: Path, run_name: str) -> dict:
+    """The objective's return and success over the run's evaluations, and their means over the last three: one
+    evaluation of 5 episodes of a backflipping Hopper swings by whole flips."""
+    returns = eval_curve(workdir, run_name, "eval/objective_return")
+    successes = eval_curve(workdir, run_name, "eval/objective_success")
+    return {
+        "objective_curve": returns,
+        "objective_success_curve": successes,
+        "objective_return_last3": last_evaluations_mean(returns),
+        "objective_success_last3": last_evaluations_mean(successes),
+    }
+
+
+def start_unless_finished(args, jobs: list, script: str, flags: list[str], run_name: str) -> Path:
+    """The run directory of `script` with `flags`: with --reuse-finished one that finished in --workdir, else a new run
+    `run_name`, added to `jobs`."""
+    if args.reuse_finished and (finished := earlier_run(args.workdir, script, flags, finished=True)) is not None:
+        print(f"reusing {finished.name}: finished with the same flags")
+        return finished
+    jobs.append((script, flags, run_name))
+    return args.workdir / "runs" / run_name
 
 
 def main() -> None:
@@ -102,6 +153,12 @@ def main() -> None:
         help="a workdir whose runs/ holds this benchmark's SAC-on-objective runs with the same env, objective, seeds, steps "
         "and evaluations (from an earlier invocation, finished or still running): read, not run again",
     )
+    parser.add_argument(
+        "--reuse-finished",
+        action="store_true",
+        help="runs in --workdir that finished with exactly the flags this invocation would start them with (an "
+        "invocation cut off after its runs ended, or one given another seed) are read, not run again",
+    )
     parser.add_argument("--parallel", type=int, default=2)
     parser.add_argument("--workdir", type=Path, default=REPO / "bench" / "workdir" / "novel_behaviours")
     parser.add_argument("--output", type=Path, default=REPO / "bench" / "results" / "novel_behaviours_windmill.json")
@@ -112,7 +169,7 @@ def main() -> None:
         raise SystemExit("--ceiling-from: the windmill's ceiling is scripted (full torque), not a SAC run")
     stamp = int(time.time())
     ceiling_runs = {}  # (objective, seed) -> the SAC-on-objective run's directory
-    jobs = []
+    jobs, runs = [], []  # jobs: (script, flags, run name) to start; runs: (objective, seed, preference run's directory)
     for objective_name in objective_names:
         for seed in args.seeds:
             run_name = f"{args.behaviour}__{objective_name}__{seed}__{stamp}"
@@ -125,39 +182,48 @@ def main() -> None:
                 "--evaluation-episodes", str(EVALUATION_EPISODES), "--checkpoint-frequency", "0", "--torch-threads", "1",
                 "--no-cuda", *shlex.split(args.preference_flags),
             ]  # fmt: skip
-            jobs.append((objective_name, seed, run_name, "sac_rlhf.py", flags))
+            runs.append((objective_name, seed, start_unless_finished(args, jobs, "sac_rlhf.py", flags, run_name)))
+            if args.behaviour == "windmill":
+                continue  # its ceiling is scripted: full torque the preferred way
+            ceiling_flags = [
+                "--env-id", env_id, "--reward-objective", objective_name, "--seed", str(seed),
+                "--run-name", f"{run_name}__sac", "--total-timesteps", str(args.steps),
+                "--evaluation-frequency", str(args.evaluation_frequency), "--evaluation-episodes", str(EVALUATION_EPISODES),
+                "--torch-threads", "1", "--no-cuda",
+            ]  # fmt: skip
             if args.ceiling_from is not None:
-                ceiling_runs[objective_name, seed] = earlier_ceiling(args, env_id, objective_name, seed)
-            elif args.behaviour != "windmill":  # the ceiling: SAC with the objective as its reward, same seed and steps
-                ceiling_flags = [
-                    "--env-id", env_id, "--reward-objective", objective_name, "--seed", str(seed),
-                    "--run-name", f"{run_name}__sac", "--total-timesteps", str(args.steps),
-                    "--evaluation-frequency", str(args.evaluation_frequency), "--evaluation-episodes", str(EVALUATION_EPISODES),
-                    "--torch-threads", "1", "--no-cuda",
-                ]  # fmt: skip
-                jobs.append((objective_name, seed, f"{run_name}__sac", "sac.py", ceiling_flags))
-                ceiling_runs[objective_name, seed] = args.workdir / "runs" / f"{run_name}__sac"
+                ceiling_run = earlier_run(args.ceiling_from, "sac.py", ceiling_flags, finished=False)
+                if ceiling_run is None:
+                    shown = shlex.join(flag for flag in ceiling_flags if flag not in ("--run-name", f"{run_name}__sac"))
+                    raise SystemExit(f"--ceiling-from {args.ceiling_from}: no SAC run there started with {shown}")
+                ceiling_runs[objective_name, seed] = ceiling_run
+            else:  # the ceiling: SAC with the objective as its reward, same seed and steps
+                ceiling_runs[objective_name, seed] = start_unless_finished(args, jobs, "sac.py", ceiling_flags, f"{run_name}__sac")
     started = time.time()
     run_pool(
         [
             lambda script=script, flags=flags, name=name: start_script(script, flags, args.workdir, log=args.workdir / f"{name}.log")
-            for *_, name, script, flags in jobs
+            for script, flags, name in jobs
         ],
-        [name for *_, name, _, _ in jobs],
+        [name for *_, name in jobs],
         args.parallel,
     )
     rows = []
-    for objective_name, seed, run_name, script, _ in jobs:
-        if script == "sac.py":
-            continue  # read beside its preference run
-        summary = read_summary(args.workdir, run_name)
+    for objective_name, seed, preference_run in runs:
+        summary = json.loads((preference_run / "summary.json").read_text())
         row = {
-            "objective": objective_name, "seed": seed, "steps": summary["global_step"], "labels": summary["labels_obtained"],
-            "env_return": summary["final_eval_return"], "objective_return": summary.get("final_objective_return"),
-            "objective_success": summary.get("final_objective_success"), "wall_seconds": round(summary["wall_seconds"], 1),
+            "objective": objective_name, "seed": seed, "run": preference_run.name, "steps": summary["global_step"],
+            "labels": summary["labels_obtained"], "env_return": summary["final_eval_return"],
+            "objective_return": summary.get("final_objective_return"), "objective_success": summary.get("final_objective_success"),
+            "wall_seconds": round(summary["wall_seconds"], 1),
         }  # fmt: skip
+        row |= last_evaluations(preference_run.parent.parent, preference_run.name)
         if args.behaviour == "windmill":
-            row |= windmill_ceiling(objective_name, seed)
+            ceiling = windmill_ceiling(objective_name, seed)
+            row |= ceiling | {
+                "ceiling_objective_return_last3": ceiling["ceiling_objective_return"],
+                "ceiling_objective_success_last3": ceiling["ceiling_objective_success"],
+            }
         else:
             ceiling_run = ceiling_runs[objective_name, seed]
             if not (ceiling_run / "summary.json").exists():
@@ -169,7 +235,10 @@ def main() -> None:
                 "ceiling_objective_success": ceiling.get("final_objective_success"),
                 "ceiling_env_return": ceiling["final_eval_return"],
             }
+            row |= {f"ceiling_{key}": value for key, value in last_evaluations(ceiling_run.parent.parent, ceiling_run.name).items()}
         row["return_ratio"] = row["objective_return"] / row["ceiling_objective_return"]
+        if row["objective_return_last3"] is not None and row["ceiling_objective_return_last3"] is not None:
+            row["return_ratio_last3"] = row["objective_return_last3"] / row["ceiling_objective_return_last3"]
         rows.append(row)
     medians = []
     for objective_name in objective_names:
@@ -179,11 +248,12 @@ def main() -> None:
             | {
                 key: statistics.median(row[key] for row in mine)
                 for key in mine[0]
-                if key not in ("objective", "seed") and mine[0][key] is not None
+                if key != "seed" and all(isinstance(row.get(key), (int, float)) for row in mine)
             }
         )
-    columns = ["objective", "seed", "labels", "env_return", "objective_return", "objective_success"]
-    print_table(rows, [*columns, "ceiling_objective_return", "ceiling_objective_success", "return_ratio", "wall_seconds"])
+    columns = ["objective", "seed", "labels", "env_return", "objective_return", "objective_success", "objective_success_last3"]
+    columns += ["ceiling_objective_return", "ceiling_objective_success", "ceiling_objective_success_last3", "return_ratio"]
+    print_table(rows, [*columns, "return_ratio_last3", "wall_seconds"])
     output = args.output if args.output.is_absolute() else REPO / args.output
     command = "python bench/novel_behaviours.py " + " ".join(
         [f"--behaviour {args.behaviour}", "--seeds " + " ".join(map(str, args.seeds)), f"--steps {args.steps}", f"--labels {args.labels}"]
@@ -191,6 +261,7 @@ def main() -> None:
         + [f"--queries-per-session {args.queries_per_session}", f"--evaluation-frequency {args.evaluation_frequency}"]
         + ([f"--preference-flags={shlex.quote(args.preference_flags)}"] if args.preference_flags else [])
         + ([f"--ceiling-from {relative(args.ceiling_from)}"] if args.ceiling_from else [])
+        + (["--reuse-finished"] if args.reuse_finished else [])
         + [f"--output {relative(output)}"]
     )
     write_json(

@@ -37,6 +37,20 @@ def test_the_backflip_bench_runs_sac_on_the_objective_beside_each_preference_run
     assert row["objective_return"] == preference["final_objective_return"] and row["labels"] == 4
     assert row["return_ratio"] == pytest.approx(preference["final_objective_return"] / ceiling["final_objective_return"])
     assert "--explore-steps 200" in report["command"] and "--queries-per-session 2" in report["command"]
+    # The evaluations over the run, from TensorBoard: the last is the summary's final one; two are too few for a last-3 mean.
+    assert [step for step, _ in row["objective_curve"]] == [300, 600]
+    assert row["objective_curve"][-1][1] == pytest.approx(preference["final_objective_return"], rel=1e-5)
+    assert row["ceiling_objective_success_curve"][-1][1] == pytest.approx(ceiling["final_objective_success"], rel=1e-5)
+    assert row["objective_return_last3"] is None and "return_ratio_last3" not in row
+
+    # --reuse-finished in the same workdir reads both finished runs and starts nothing.
+    reuse = [*BENCH, "--steps", "600", "--workdir", str(tmp_path / "work"), "--output", str(tmp_path / "reuse.json")]
+    result = subprocess.run([*reuse, "--reuse-finished"], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert sorted(path.name for path in runs.iterdir()) == sorted([preference_run.name, ceiling_run.name])
+    reused = json.loads((tmp_path / "reuse.json").read_text())
+    assert reused["rows"][0] | {"wall_seconds": None} == row | {"wall_seconds": None}
+    assert "--reuse-finished" in reused["command"]
 
     # Another invocation reads that ceiling instead of running SAC again, with its own preference flags.
     again = [*BENCH, "--steps", "600", "--workdir", str(tmp_path / "again"), "--output", str(tmp_path / "again.json")]
@@ -52,5 +66,19 @@ def test_the_backflip_bench_runs_sac_on_the_objective_beside_each_preference_run
     # Ceilings of other settings are refused before anything runs: the same seed and objective, but 600 steps, not 900.
     other = [*BENCH, "--steps", "900", "--workdir", str(tmp_path / "other"), "--output", str(tmp_path / "other.json")]
     result = subprocess.run([*other, "--ceiling-from", str(tmp_path / "work")], capture_output=True, text=True, timeout=600)
-    assert result.returncode != 0 and "no SAC run there with" in result.stderr and "'total_timesteps': 900" in result.stderr
+    assert result.returncode != 0 and "no SAC run there started with" in result.stderr and "--total-timesteps 900" in result.stderr
     assert not (tmp_path / "other").exists()
+
+
+def test_a_run_is_reused_only_where_every_flag_it_would_be_started_with_agrees():
+    sys.path.insert(0, str(REPO / "bench"))
+    from novel_behaviours import started_with
+
+    recorded = {"exp_name": "sac_rlhf", "seed": 2, "surf": False, "cuda": False, "reward_lr": 0.0003, "env_id": "Hopper-v5"}
+    flags = ["--env-id", "Hopper-v5", "--seed", "2", "--run-name", "anything", "--no-surf", "--reward-lr", "3e-4"]
+    assert started_with("sac_rlhf.py", flags, recorded)
+    assert not started_with("sac.py", flags, recorded)  # another script's run
+    assert not started_with("sac_rlhf.py", [*flags[:3], "3"], recorded)  # another seed
+    assert not started_with("sac_rlhf.py", [*flags, "--cuda"], recorded)  # a bare flag that is off there
+    assert not started_with("sac_rlhf.py", [*flags, "--total-timesteps", "600"], recorded)  # a setting it does not record
+    assert started_with("sac_rlhf.py", [*flags, "--no-cuda"], recorded)
