@@ -104,9 +104,11 @@ def started_with(script: str, flags: list[str], recorded: dict) -> bool:
 
 
 def earlier_run(workdir: Path, script: str, flags: list[str], finished: bool) -> Path | None:
-    """A run directory in `workdir`/runs of `script` started with `flags` (with a summary.json where `finished`)."""
+    """A run directory in `workdir`/runs of `script` started with `flags`; where `finished`, one that ran to its end
+    (a summary.json that is not an interrupted run's)."""
     for run_args in sorted((workdir / "runs").glob("*/args.json")):
-        if finished and not (run_args.parent / "summary.json").exists():
+        summary = run_args.parent / "summary.json"
+        if finished and (not summary.exists() or json.loads(summary.read_text()).get("interrupted")):
             continue
         if started_with(script, flags, json.loads(run_args.read_text())):
             return run_args.parent

@@ -82,3 +82,19 @@ def test_a_run_is_reused_only_where_every_flag_it_would_be_started_with_agrees()
     assert not started_with("sac_rlhf.py", [*flags, "--cuda"], recorded)  # a bare flag that is off there
     assert not started_with("sac_rlhf.py", [*flags, "--total-timesteps", "600"], recorded)  # a setting it does not record
     assert started_with("sac_rlhf.py", [*flags, "--no-cuda"], recorded)
+
+
+def test_only_a_run_that_ran_to_its_end_is_reused(tmp_path):
+    sys.path.insert(0, str(REPO / "bench"))
+    from novel_behaviours import earlier_run
+
+    flags = ["--seed", "2", "--run-name", "anything"]
+    for name, summary in (("a_running", None), ("b_interrupted", {"interrupted": True}), ("c_finished", {"interrupted": False})):
+        (tmp_path / "runs" / name).mkdir(parents=True)
+        (tmp_path / "runs" / name / "args.json").write_text(json.dumps({"exp_name": "sac", "seed": 2}))
+        if summary is not None:
+            (tmp_path / "runs" / name / "summary.json").write_text(json.dumps(summary))
+    assert earlier_run(tmp_path, "sac.py", flags, finished=True).name == "c_finished"
+    assert earlier_run(tmp_path, "sac.py", flags, finished=False).name == "a_running"  # --ceiling-from: running is enough
+    (tmp_path / "runs" / "c_finished" / "summary.json").write_text(json.dumps({"interrupted": True}))
+    assert earlier_run(tmp_path, "sac.py", flags, finished=True) is None
