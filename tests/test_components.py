@@ -658,9 +658,7 @@ def test_with_an_objective_the_reward_model_is_measured_against_the_objective_no
     rb.learned_rewards[: rb.size] = true_step_reward(np.concatenate([rb.obs, rb.actions], -1))[: rb.size]
     prefs = algo.PreferenceBuffer(SEG_LEN, INPUT_DIM, 1)
     env_args = algo.Args(segment_length=SEG_LEN, heldout_fresh_pairs=300)
-    objective_args = algo.Args(
-        segment_length=SEG_LEN, heldout_fresh_pairs=300, teacher_objective="test_components:model_reward_objective"
-    )
+    objective_args = algo.Args(segment_length=SEG_LEN, heldout_fresh_pairs=300, teacher_objective="test_components:model_reward_objective")
     against_env = algo.reward_model_metrics(model, prefs, rb, env_args, True, 500, CPU)
     against_objective = algo.reward_model_metrics(model, prefs, rb, objective_args, True, 500, CPU)
     assert against_env["heldout_accuracy"] == 0.0 and against_env["reward_correlation"] == pytest.approx(-1.0)
