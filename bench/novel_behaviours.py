@@ -23,7 +23,7 @@ import statistics
 import time
 from pathlib import Path
 
-from common import REPO, machine_info, print_table, run_pool, start_script, write_json
+from common import REPO, machine_info, print_table, read_summary, run_pool, start_script, write_json
 from feedback_efficiency import eval_curve, last_evaluations_mean
 
 WINDMILL = "cleanrlhf_utils.example_envs.windmill:Windmill-v0"
@@ -95,10 +95,10 @@ def started_with(script: str, flags: list[str], recorded: dict) -> bool:
             value, index = flags[index + 1], index + 2
             if key != "run_name" and (key not in recorded or not same_setting(recorded[key], value)):
                 return False
-        else:
+        else:  # a switch: --flag sets flag true, --no-flag sets flag false
             index += 1
-            negated = key.removeprefix("no_")
-            if recorded.get(negated if negated != key and negated in recorded else key) is not (negated == key):
+            wanted = not (key.startswith("no_") and key[3:] in recorded)
+            if recorded.get(key if wanted else key[3:]) is not wanted:
                 return False
     return True
 
@@ -212,7 +212,7 @@ def main() -> None:
     )
     rows = []
     for objective_name, seed, preference_run in runs:
-        summary = json.loads((preference_run / "summary.json").read_text())
+        summary = read_summary(preference_run.parent.parent, preference_run.name)
         row = {
             "objective": objective_name, "seed": seed, "run": preference_run.name, "steps": summary["global_step"],
             "labels": summary["labels_obtained"], "env_return": summary["final_eval_return"],
