@@ -97,6 +97,50 @@ def read_summary(workdir: Path, run_name: str) -> dict:
     return json.loads((workdir / "runs" / run_name / "summary.json").read_text())
 
 
+def same_setting(recorded, text: str) -> bool:
+    """Whether an args.json value is what the command-line `text` sets (numbers compared as numbers)."""
+    if isinstance(recorded, bool):
+        return text.lower() == str(recorded).lower()
+    if isinstance(recorded, (int, float)):
+        try:
+            return float(text) == float(recorded)
+        except ValueError:
+            return False
+    return str(recorded) == text
+
+
+def started_with(script: str, flags: list[str], recorded: dict) -> bool:
+    """Whether the run whose args.json is `recorded` is `script` started with `flags`, all but its --run-name:
+    `--some-flag value` as some_flag == value, a bare `--flag` as true and `--no-flag` as false."""
+    if recorded.get("exp_name") != Path(script).stem:
+        return False
+    index = 0
+    while index < len(flags):
+        key = flags[index].removeprefix("--").replace("-", "_")
+        if index + 1 < len(flags) and not flags[index + 1].startswith("--"):
+            value, index = flags[index + 1], index + 2
+            if key != "run_name" and (key not in recorded or not same_setting(recorded[key], value)):
+                return False
+        else:  # a switch: --flag sets flag true, --no-flag sets flag false
+            index += 1
+            wanted = not (key.startswith("no_") and key[3:] in recorded)
+            if recorded.get(key if wanted else key[3:]) is not wanted:
+                return False
+    return True
+
+
+def earlier_run(workdir: Path, script: str, flags: list[str], finished: bool) -> Path | None:
+    """A run directory in `workdir`/runs of `script` started with `flags`; where `finished`, one that ran to its end
+    (a summary.json that is not an interrupted run's)."""
+    for run_args in sorted((workdir / "runs").glob("*/args.json")):
+        summary = run_args.parent / "summary.json"
+        if finished and (not summary.exists() or json.loads(summary.read_text()).get("interrupted")):
+            continue
+        if started_with(script, flags, json.loads(run_args.read_text())):
+            return run_args.parent
+    return None
+
+
 def print_table(rows: list[dict], columns: list[str]) -> None:
     widths = [max(len(c), *(len(fmt(r.get(c))) for r in rows)) for c in columns]
     print("  ".join(c.ljust(w) for c, w in zip(columns, widths)))

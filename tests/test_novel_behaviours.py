@@ -72,7 +72,7 @@ def test_the_backflip_bench_runs_sac_on_the_objective_beside_each_preference_run
 
 def test_a_run_is_reused_only_where_every_flag_it_would_be_started_with_agrees():
     sys.path.insert(0, str(REPO / "bench"))
-    from novel_behaviours import started_with
+    from common import started_with
 
     recorded = {"exp_name": "sac_rlhf", "seed": 2, "surf": False, "cuda": False, "reward_lr": 0.0003, "env_id": "Hopper-v5"}
     flags = ["--env-id", "Hopper-v5", "--seed", "2", "--run-name", "anything", "--no-surf", "--reward-lr", "3e-4"]
