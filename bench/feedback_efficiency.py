@@ -11,6 +11,11 @@ With --algorithm ppo: PrefPPO (pref_ppo.py) vs PPO (ppo.py), same label budget a
         --baseline-from bench/results/feedback_efficiency_walker_walk.json bench/results/feedback_efficiency_walker_walk_seed2.json
         # --variant: pebble (the defaults), tuned (the README's recommendation), qpa (and qpa-no-hybrid, qpa-no-crops);
         # --baseline-from reuses SAC's runs
+    python bench/feedback_efficiency.py --steps 60000 --seeds 1 2 3 --teacher-eps-mistake 0.2 --robust-labels rime \\
+        --baseline-from bench/results/feedback_efficiency_hopper_pebble.json \\
+        --oracle-from bench/results/feedback_efficiency_hopper_pebble.json
+        # a noisy teacher (B-Pref's flags) and a defence; oracle_ratio: against the oracle teacher's runs of the same
+        # setting at the same step (longer runs are read at this invocation's last evaluation)
     python bench/feedback_efficiency.py --algorithm ppo --env-id CartPole-v1 --steps 100000 --explore-steps 0 \\
         --feedback-frequency 5000 --evaluation-frequency 5000 --seeds 1 2 3 --target-return 400
 
@@ -18,7 +23,9 @@ Reports per seed and as medians: final evaluation return of each, their ratio, t
 the last three evaluations (`last_ratio`; every evaluation is kept in the JSON), the reward model's
 held-out accuracy, and the Pearson correlation of learned and true reward on recent transitions; on
 Meta-World also the final success rate of each;
-with --target-return, the first evaluation step at which each run reached that mean return.
+with --target-return, the first evaluation step at which each run reached that mean return; with --oracle-from, the
+return against the oracle teacher's (oracle_ratio, oracle_last_ratio). --reuse-finished reads runs in --workdir that
+finished with exactly the flags this invocation would start them with.
 Targets (issue 2): ratio >= 0.9, accuracy >= 0.9, correlation >= 0.8.
 """
 
@@ -30,7 +37,7 @@ import statistics
 import time
 from pathlib import Path
 
-from common import REPO, machine_info, print_table, read_summary, run_pool, start_script, write_json
+from common import REPO, earlier_run, machine_info, print_table, read_summary, run_pool, start_script, write_json
 
 # (preference-based script, its short name, baseline script, its short name) per --algorithm.
 ALGORITHMS = {"sac": ("sac_rlhf.py", "pebble", "sac.py", "sac"), "ppo": ("pref_ppo.py", "pref_ppo", "ppo.py", "ppo")}
@@ -138,21 +145,70 @@ def baseline_flags(args, seed: int, run_name: str) -> list[str]:
     ]  # fmt: skip
 
 
-def earlier_baselines(paths: list[Path], args, base: str) -> dict[int, dict]:
-    """Per seed, the baseline's summary figures from earlier results of this benchmark with the same baseline
-    settings (a baseline run does not depend on the label budget, schedule or variant)."""
-    found = {}
+def curve_until(curve: list[list[float]] | None, step: int) -> list[list[float]] | None:
+    """The evaluations of a longer run up to `step`, where it evaluated at `step` (None otherwise): a run's first
+    `step` steps do not depend on how many follow (no schedule here reads the total), so this is a shorter run's curve."""
+    if not curve or not any(at == step for at, _ in curve):
+        return None
+    return [[at, value] for at, value in curve if at <= step]
+
+
+def earlier_results(paths: list[Path], args, settings: tuple[str, ...], flag: str, defaults: dict | None = None):
+    """(path, result) of each earlier results JSON of this benchmark whose `settings` agree with this invocation's, the
+    number of steps excepted where the earlier ran longer (its evaluations are read up to this invocation's steps); any
+    other difference is one error line naming it. `defaults`: the value a setting had before results recorded it."""
+    defaults = {"algorithm": "sac", **(defaults or {})}
     for path in paths:
         result = json.loads(path.read_text())
-        mismatch = [k for k in BASELINE_SETTINGS if result["settings"].get(k, "sac" if k == "algorithm" else None) != getattr(args, k)]
+        recorded = result["settings"]
+        mismatch = [k for k in settings if k != "steps" and recorded.get(k, defaults.get(k)) != getattr(args, k)]
+        if recorded["steps"] < args.steps:
+            mismatch.append("steps")
         if mismatch:
-            raise SystemExit(f"--baseline-from {path}: its {', '.join(mismatch)} differ from this invocation's; the baseline must match")
+            wanted = ", ".join(f"{k} {recorded.get(k, defaults.get(k))!r} (this invocation: {getattr(args, k)!r})" for k in mismatch)
+            raise SystemExit(f"{flag} {path}: its {wanted} differ; its runs must match this invocation's (or run longer)")
+        yield path, result
+
+
+def earlier_baselines(paths: list[Path], args, base: str) -> dict[int, dict]:
+    """Per seed, the baseline's summary figures from earlier results of this benchmark with the same baseline
+    settings (a baseline run does not depend on the label budget, schedule or variant). A longer baseline is read at
+    this invocation's last step, which needs its evaluation curve: a seed without one is left out (and run)."""
+    found = {}
+    for path, result in earlier_results(paths, args, BASELINE_SETTINGS, "--baseline-from"):
         for row in result["rows"]:
-            found[row["seed"]] = {
-                "final_eval_return": row[f"{base}_return"], "sps": row[f"{base}_sps"],
-                "final_success_rate": row.get(f"{base}_success_rate"),
-                "eval_curve": row.get(f"{base}_eval_curve"), "from": str(path),
-            }  # fmt: skip
+            figures = {"sps": row[f"{base}_sps"], "eval_curve": row.get(f"{base}_eval_curve"), "from": str(path)}
+            if result["settings"]["steps"] == args.steps:
+                figures |= {"final_eval_return": row[f"{base}_return"], "final_success_rate": row.get(f"{base}_success_rate")}
+            elif (curve := curve_until(figures["eval_curve"], args.steps)) is not None:
+                figures |= {"final_eval_return": curve[-1][1], "final_success_rate": None, "eval_curve": curve}
+            else:
+                continue
+            found[row["seed"]] = figures
+    return found
+
+
+# What the oracle teacher's run depends on besides the teacher (--oracle-from): everything the preference run is started
+# with from this benchmark's settings.
+ORACLE_SETTINGS = (
+    "algorithm", "env_id", "steps", "labels", "sessions", "feedback_frequency", "explore_steps",
+    "evaluation_frequency", "evaluation_episodes", "variant",
+)  # fmt: skip
+
+
+def earlier_oracle_runs(paths: list[Path], args, rlhf: str) -> dict[int, dict]:
+    """Per seed, the return of the same preference-based setting with the oracle teacher (earlier results of this
+    benchmark, TEACHER_FLAGS at their defaults) at this invocation's last step: final evaluation and last-3 mean."""
+    found = {}
+    for path, result in earlier_results(paths, args, ORACLE_SETTINGS, "--oracle-from"):
+        teacher = {name: result["settings"].get(name, default) for name, default in TEACHER_FLAGS.items()}
+        if teacher != TEACHER_FLAGS:
+            raise SystemExit(f"--oracle-from {path}: its teacher is not the oracle ({teacher}); it must be {TEACHER_FLAGS}")
+        for row in result["rows"]:
+            curve = curve_until(row.get(f"{rlhf}_eval_curve"), args.steps)
+            if curve is None:
+                raise SystemExit(f"--oracle-from {path}: seed {row['seed']} has no evaluation at step {args.steps}")
+            found[row["seed"]] = {"return": curve[-1][1], "last_return": last_evaluations_mean(curve), "from": str(path)}
     return found
 
 
@@ -200,7 +256,17 @@ def main() -> None:
     parser.add_argument("--robust-labels", choices=["none", "smooth", "rime"], default="none", help="the label-noise defence of the run")
     parser.add_argument(
         "--baseline-from", type=Path, nargs="+", default=None,
-        help="earlier results JSON of this benchmark: reuse their baseline runs (same env, steps, evaluation) instead of running them",
+        help="earlier results JSON of this benchmark: reuse their baseline runs (same env and evaluation, as many steps or more) "
+        "instead of running them; seeds they lack are run",
+    )  # fmt: skip
+    parser.add_argument(
+        "--oracle-from", type=Path, nargs="+", default=None,
+        help="earlier results JSON of this benchmark with the oracle teacher and this invocation's other settings (or more "
+        "steps): report the return against theirs at this invocation's last step (oracle_ratio), the noisy teacher's cost",
+    )  # fmt: skip
+    parser.add_argument(
+        "--reuse-finished", action="store_true",
+        help="runs in --workdir that finished with exactly the flags this invocation would start them with are read, not rerun",
     )  # fmt: skip
     parser.add_argument(
         "--parallel", type=int, default=2, help="runs at once (one torch thread each; the next starts when any ends): the cores to use"
@@ -221,13 +287,24 @@ def main() -> None:
     reused = earlier_baselines(args.baseline_from, args, base) if args.baseline_from else {}
     missing = [seed for seed in args.seeds if args.baseline_from and seed not in reused]
     if missing:
-        raise SystemExit(f"--baseline-from has no {base} run for seeds {missing}; it has seeds {sorted(reused)}")
+        print(f"--baseline-from has no {base} run for seeds {missing} at {args.steps} steps: running them")
+    oracle = earlier_oracle_runs(args.oracle_from, args, rlhf) if args.oracle_from else {}
+    if args.oracle_from and (lacking := [seed for seed in args.seeds if seed not in oracle]):
+        raise SystemExit(f"--oracle-from has no oracle run for seeds {lacking}; it has seeds {sorted(oracle)}")
     jobs = []  # (seed, name, script, flags), started `parallel` at a time
+    run_dirs = {}  # (seed, name) -> the run directory its figures are read from
     for seed in args.seeds:
         tag = f"{args.env_id.replace('/', '_')}_{seed}_{stamp}"
-        jobs.append((seed, rlhf, rlhf_script, [*pebble_flags(args, seed, f"bench_{rlhf}_{tag}"), *extra, *rlhf_extra]))
+        wanted = [(rlhf, rlhf_script, [*pebble_flags(args, seed, f"bench_{rlhf}_{tag}"), *extra, *rlhf_extra])]
         if seed not in reused:
-            jobs.append((seed, base, base_script, baseline_flags(args, seed, f"bench_{base}_{tag}")))
+            wanted.append((base, base_script, baseline_flags(args, seed, f"bench_{base}_{tag}")))
+        for name, script, flags in wanted:
+            finished = earlier_run(args.workdir, script, flags, finished=True) if args.reuse_finished else None
+            if finished is not None:
+                print(f"reusing {finished.name}: finished with the same flags")
+            else:
+                jobs.append((seed, name, script, flags))
+            run_dirs[seed, name] = finished.name if finished else flags[flags.index("--run-name") + 1]
     names = [flags[flags.index("--run-name") + 1] for *_, flags in jobs]
     run_pool(
         [
@@ -240,14 +317,13 @@ def main() -> None:
 
     rows = []
     for seed in args.seeds:
-        tag = f"{args.env_id.replace('/', '_')}_{seed}_{stamp}"
-        preference = read_summary(args.workdir, f"bench_{rlhf}_{tag}")
-        preference["eval_curve"] = eval_curve(args.workdir, f"bench_{rlhf}_{tag}")
+        preference = read_summary(args.workdir, run_dirs[seed, rlhf])
+        preference["eval_curve"] = eval_curve(args.workdir, run_dirs[seed, rlhf])
         if seed in reused:
             baseline = reused[seed]
         else:
-            baseline = read_summary(args.workdir, f"bench_{base}_{tag}")
-            baseline["eval_curve"] = eval_curve(args.workdir, f"bench_{base}_{tag}")
+            baseline = read_summary(args.workdir, run_dirs[seed, base])
+            baseline["eval_curve"] = eval_curve(args.workdir, run_dirs[seed, base])
         window = [last_evaluations_mean(run.get("eval_curve")) for run in (preference, baseline)]
         rows.append({
             "env_id": args.env_id, "variant": args.variant, "seed": seed, "steps": args.steps, "labels": preference["labels_obtained"],
@@ -264,6 +340,12 @@ def main() -> None:
             "last_ratio": window[0] / window[1] if None not in window else None,
             f"{rlhf}_eval_curve": preference["eval_curve"], f"{base}_eval_curve": baseline.get("eval_curve"),
         })  # fmt: skip
+        if seed in oracle:  # the noisy teacher's cost: this run against the same setting with the oracle teacher
+            rows[-1] |= {
+                "oracle_return": oracle[seed]["return"], "oracle_ratio": preference["final_eval_return"] / oracle[seed]["return"],
+                "oracle_last_return": oracle[seed]["last_return"], "oracle_from": oracle[seed]["from"],
+                "oracle_last_ratio": window[0] / oracle[seed]["last_return"] if None not in (window[0], oracle[seed]["last_return"]) else None,
+            }  # fmt: skip
         if args.target_return is not None:
             for name in (rlhf, base):
                 rows[-1][f"{name}_steps_to_target"] = first_step_reaching(rows[-1][f"{name}_eval_curve"], args.target_return)
@@ -271,6 +353,12 @@ def main() -> None:
     keys += [key for key in (f"{rlhf}_success_rate", f"{base}_success_rate") if all(row[key] is not None for row in rows)]
     # A reused baseline from before the curves were kept has no last evaluations: its seed drops out of that median only.
     keys += [key for key in (f"{rlhf}_last_return", f"{base}_last_return", "last_ratio") if any(row[key] is not None for row in rows)]
+    if oracle:
+        keys += [
+            key
+            for key in ("oracle_return", "oracle_ratio", "oracle_last_return", "oracle_last_ratio")
+            if any(row[key] is not None for row in rows)
+        ]
     median = {key: statistics.median(r[key] for r in rows if r[key] is not None) for key in keys}
     columns = ["env_id", "variant", "seed", "labels", *keys]
     if args.target_return is not None:
@@ -284,7 +372,8 @@ def main() -> None:
             "benchmark": "feedback_efficiency",
             "machine": machine,
             "settings": vars(args)
-            | {"workdir": str(args.workdir), "output": str(args.output), "baseline_from": [str(p) for p in args.baseline_from or []]},
+            | {"workdir": str(args.workdir), "output": str(args.output)}
+            | {name: [str(p) for p in getattr(args, name) or []] for name in ("baseline_from", "oracle_from")},
             "rows": rows,
             "median": median,
             "published": PUBLISHED.get(args.env_id),

@@ -227,8 +227,10 @@ def feedback_command(result: dict, repo: Path) -> str:
         if key in ("workdir",) or value is None or value == []:
             continue
         flag = "--" + key.replace("_", "-")
-        if isinstance(value, list):
-            words.append(f"{flag} " + " ".join(relative_output(item, repo) if key == "baseline_from" else str(item) for item in value))
+        if isinstance(value, bool):  # a switch (store_true): its flag where it was on
+            words += [flag] if value else []
+        elif isinstance(value, list):
+            words.append(f"{flag} " + " ".join(relative_output(item, repo) if key.endswith("_from") else str(item) for item in value))
         elif key == "output":
             words.append(f"{flag} {relative_output(value, repo)}")
         else:
@@ -267,6 +269,33 @@ def feedback_table(rows: list[dict], ppo: bool) -> list[str]:
         lines.append(
             f"| **median** | | {number(med[f'{key}_return'])} | {number(med[f'{base_key}_return'])} | **{number(med['ratio'], 2)}** | "
             f"| {number(med['last_ratio'], 2)} | | {number(med['heldout_accuracy'], 2)} | {number(med['reward_correlation'], 2)} | |"
+        )
+    return lines
+
+
+def noise_table(results: list[dict]) -> list[str]:
+    """A noisy teacher's cost per seed: each file's runs (one defence each) against the oracle teacher's runs of the same
+    setting at the same step (--oracle-from), and a median row per defence."""
+    lines = [
+        "| defence | seed | return | oracle's return | × oracle | last-3 mean vs oracle's | last-3 × oracle "
+        "| held-out accuracy | reward correlation |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for result in results:
+        defence, rows = result["settings"].get("robust_labels", "none"), result["rows"]
+        for row in rows:
+            lines.append(
+                f"| {defence} | {row['seed']} | {number(row['pebble_return'])} | {number(row.get('oracle_return'))} "
+                f"| {number(row.get('oracle_ratio'), 2)} | {number(row.get('pebble_last_return'))} vs "
+                f"{number(row.get('oracle_last_return'))} | {number(row.get('oracle_last_ratio'), 2)} "
+                f"| {number(row.get('heldout_accuracy'), 2)} | {number(row.get('reward_correlation'), 2)} |"
+            )
+        med = {name: median([row.get(name) for row in rows]) for name in ("pebble_return", "oracle_return", "oracle_ratio")}
+        med |= {name: median([row.get(name) for row in rows]) for name in ("pebble_last_return", "oracle_last_return", "oracle_last_ratio")}
+        lines.append(
+            f"| **{defence}, median** | | {number(med['pebble_return'])} | {number(med['oracle_return'])} "
+            f"| **{number(med['oracle_ratio'], 2)}** | {number(med['pebble_last_return'])} vs {number(med['oracle_last_return'])} "
+            f"| **{number(med['oracle_last_ratio'], 2)}** | | |"
         )
     return lines
 
@@ -507,7 +536,8 @@ def measurements_page(results: dict[str, dict]) -> str:
 #   <!-- table: feedback feedback_efficiency_walker_walk_qpa feedback_efficiency_walker_walk_qpa_seed3 -->
 #   <!-- /table -->
 # `feedback`: the per-seed table of feedback-efficiency files (rows of all files, a median row); `rows`: one file's
-# `rows` (or `results`, `medians`) as they are; `gap`: a bench/reward_gap.py file's decomposition.
+# `rows` (or `results`, `medians`) as they are; `gap`: a bench/reward_gap.py file's decomposition; `noise`: noisy-teacher
+# feedback-efficiency files (one defence each) against the oracle teacher (their --oracle-from).
 TABLE_MARKER = re.compile(r"(<!-- table: (\w+) ([^>]*?) -->\n)(.*?)(<!-- /table -->)", re.S)
 
 
@@ -520,12 +550,14 @@ def marked_table(kind: str, stems: list[str], results: dict[str, dict], where: s
         return "\n".join(feedback_table(rows, is_ppo(results[stems[0]]))) + "\n"
     if kind == "gap":
         return "\n".join(gap_table(results[stems[0]])) + "\n"
+    if kind == "noise":
+        return "\n".join(noise_table([results[stem] for stem in stems])) + "\n"
     if kind == "rows":
         result = results[stems[0]]
         rows = next(result[key] for key in ("rows", "results", "medians") if isinstance(result.get(key), list))
         kind_columns = next((columns for prefix, columns in MEASUREMENT_COLUMNS.items() if stems[0].startswith(prefix)), None)
         return "\n".join(generic_table(rows, kind_columns)) + "\n"
-    raise SystemExit(f"{where}: unknown table kind {kind!r} (feedback, rows, gap)")
+    raise SystemExit(f"{where}: unknown table kind {kind!r} (feedback, rows, gap, noise)")
 
 
 def fill_tables(text: str, results: dict[str, dict], where: str) -> str:

@@ -175,3 +175,51 @@ def test_knn_bench_times_another_commit_in_its_own_worktree_and_checks_the_dista
     assert refused.returncode != 0 and refused.stderr.strip().splitlines()[-1] == (
         "bench/knn.py: error: --against 'no-such-commit' is not a commit of this repository"
     )
+
+
+def write_results(path: Path, settings: dict, rows: list[dict]) -> Path:
+    path.write_text(json.dumps({"benchmark": "feedback_efficiency", "settings": settings, "rows": rows}))
+    return path
+
+
+def test_a_longer_baseline_is_read_at_this_invocations_last_step_and_a_seed_without_its_curve_is_run(tmp_path):
+    """--baseline-from a 100k-step run for a 60k-step invocation: the baseline's figure is its evaluation at 60k (not its
+    final one), its curve ends there; a seed recorded without a curve cannot be read at 60k and is left to run; a
+    shorter baseline, or one evaluated differently, is one error naming the setting."""
+    curve = [[step, step / 100] for step in range(10_000, 100_001, 10_000)]
+    longer = vars(bench_settings(steps=100_000))
+    rows = [
+        {"seed": 1, "sac_return": 999.0, "sac_sps": 30.0},  # from before curves were kept
+        {"seed": 2, "sac_return": 1000.0, "sac_sps": 31.0, "sac_eval_curve": curve},
+    ]
+    path = write_results(tmp_path / "longer.json", longer, rows)
+    found = feedback_efficiency.earlier_baselines([path], bench_settings(steps=60_000), "sac")
+    assert sorted(found) == [2]
+    assert found[2]["final_eval_return"] == 600.0 and found[2]["eval_curve"][-1] == [60_000, 600.0]
+    assert len(found[2]["eval_curve"]) == 6
+    same = feedback_efficiency.earlier_baselines([path], bench_settings(steps=100_000), "sac")
+    assert found[2]["sps"] == same[2]["sps"] and same[1]["final_eval_return"] == 999.0  # same steps: the final figures
+    assert feedback_efficiency.earlier_baselines([path], bench_settings(steps=55_000), "sac") == {}  # no evaluation at 55k
+    with pytest.raises(SystemExit, match="steps 100000"):
+        feedback_efficiency.earlier_baselines([path], bench_settings(steps=200_000), "sac")
+    with pytest.raises(SystemExit, match="evaluation_episodes 10 .this invocation: 5."):
+        feedback_efficiency.earlier_baselines([path], bench_settings(steps=60_000, evaluation_episodes=5), "sac")
+
+
+def test_the_oracle_setting_is_read_at_the_same_step_and_only_from_an_oracle_teacher(tmp_path):
+    """--oracle-from: the same preference setting with the oracle teacher, read at this invocation's last step (final
+    evaluation and last-3 mean); results of a noisy teacher, another label budget, or without an evaluation at the step
+    are refused in one line."""
+    curve = [[step, float(step)] for step in range(10_000, 100_001, 10_000)]
+    oracle = vars(bench_settings(steps=100_000))  # written before the teacher's flags were recorded: the oracle's
+    path = write_results(tmp_path / "oracle.json", oracle, [{"seed": 3, "pebble_eval_curve": curve}])
+    noisy = bench_settings(steps=60_000, teacher_eps_mistake=0.2, teacher_beta=-1.0, robust_labels="rime")
+    found = feedback_efficiency.earlier_oracle_runs([path], noisy, "pebble")
+    assert found[3]["return"] == 60_000.0 and found[3]["last_return"] == 50_000.0  # mean of 40k, 50k, 60k
+    with pytest.raises(SystemExit, match="labels 200 .this invocation: 100."):
+        feedback_efficiency.earlier_oracle_runs([path], bench_settings(steps=60_000, labels=100), "pebble")
+    with pytest.raises(SystemExit, match="no evaluation at step 55000"):
+        feedback_efficiency.earlier_oracle_runs([path], bench_settings(steps=55_000), "pebble")
+    noisy_results = write_results(tmp_path / "noisy.json", oracle | {"teacher_eps_mistake": 0.2}, [{"seed": 3, "pebble_eval_curve": curve}])
+    with pytest.raises(SystemExit, match="not the oracle"):
+        feedback_efficiency.earlier_oracle_runs([noisy_results], noisy, "pebble")

@@ -290,3 +290,35 @@ def test_a_gap_table_shows_the_decomposition_with_medians_and_interquartile_rang
         == "| dm\\_control/cheetah-run-v0 | frozen | 3 | 300 [200, 350] | 0.80 [0.50, 1.00] | 0.80 [0.50, 1.00] | 0.87 | – | 0.90 | 0.489 | 0.025 | -6.0 |"
     )
     assert filled.startswith("before\n<!-- table: gap reward_gap_x -->\n| task |") and filled.endswith("<!-- /table -->\nafter")
+
+
+def test_a_noise_table_shows_each_defence_against_the_oracle_teacher_at_the_same_step():
+    """`<!-- table: noise <stems> -->`: one block of rows per results file, named by its --robust-labels, each seed's
+    return beside the oracle teacher's at the same step and their ratio, and a median row per defence."""
+
+    def result(defence: str, returns: list[float]) -> dict:
+        rows = [
+            {"seed": seed, "pebble_return": value, "oracle_return": 1000.0, "oracle_ratio": value / 1000.0, "pebble_last_return": value,
+             "oracle_last_return": 800.0, "oracle_last_ratio": value / 800.0, "heldout_accuracy": 0.9, "reward_correlation": 0.8}
+            for seed, value in zip([1, 2, 3], returns)
+        ]  # fmt: skip
+        return {"settings": {"robust_labels": defence}, "rows": rows}
+
+    results = {"none": result("none", [100.0, 500.0, 300.0]), "rime": result("rime", [900.0, 700.0, 800.0])}
+    page = "<!-- table: noise none rime -->\n<!-- /table -->\n"
+    lines = gen_docs.fill_tables(page, results, "page.md").splitlines()
+    assert lines[3] == "| none | 1 | 100 | 1000 | 0.10 | 100 vs 800 | 0.12 | 0.90 | 0.80 |"
+    assert lines[6] == "| **none, median** | | 300 | 1000 | **0.30** | 300 vs 800 | **0.38** | | |"
+    assert lines[10] == "| **rime, median** | | 800 | 1000 | **0.80** | 800 vs 800 | **1.00** | | |"
+
+
+def test_a_feedback_command_is_rebuilt_with_switches_as_bare_flags_and_reused_results_as_typed():
+    """The command a feedback-efficiency result recorded: a switch that was on is its bare flag (argparse's store_true
+    takes no value), one that was off is left out, and every --*-from path is relative to the repository."""
+    settings = {"env_id": "Hopper-v5", "reuse_finished": True, "other_switch": False, "workdir": "/x/bench/workdir"}
+    settings |= {"baseline_from": ["/abs/repo/bench/results/a.json"], "oracle_from": ["/abs/repo/bench/results/b.json"]}
+    command = gen_docs.feedback_command({"settings": settings}, REPO)
+    assert command == (
+        "python bench/feedback_efficiency.py --env-id Hopper-v5 --reuse-finished --baseline-from bench/results/a.json "
+        "--oracle-from bench/results/b.json"
+    )
