@@ -191,3 +191,24 @@ def test_qpa_run_trains_on_recent_episodes_with_cropped_copies(chdir_tmp):
     qpa_steps = [v for _, v in scalars(Path("runs/qpa"))["reward_model/steps"]]
     plain_steps = [v for _, v in scalars(Path("runs/plain"))["reward_model/steps"]]
     assert plain_steps == [3, 6] and qpa_steps == [12, 22]  # 12 then 22 labels in batches of 4, each with 3 copies
+
+
+def test_a_runs_first_steps_do_not_depend_on_how_many_follow(chdir_tmp):
+    """bench/feedback_efficiency.py reads a longer run at a shorter invocation's last evaluation (--baseline-from,
+    --oracle-from): that is only sound if a run of N steps and the first N steps of a longer one are the same run
+    (the buffer's capacity, min(buffer size, total steps), and the final evaluation must change nothing). PEBBLE with
+    its feedback sessions (at 400 and 700, both before 900) and the SAC baseline, 900 against 1500 steps."""
+    import sac
+
+    for steps in (900, 1500):
+        sac_rlhf.main(small_args(f"pebble_{steps}", total_timesteps=steps, evaluation_frequency=300))
+        sac.main(
+            sac.Args(
+                run_name=f"sac_{steps}", total_timesteps=steps, learning_starts=200, batch_size=64, actor_hidden_dim=64,
+                critic_hidden_dim=64, evaluation_frequency=300, evaluation_episodes=1, progress_bar=False,
+            )
+        )  # fmt: skip
+    for kind in ("pebble", "sac"):
+        short, long = (scalars(Path(f"runs/{kind}_{steps}"))["eval/mean_return"] for steps in (900, 1500))
+        assert [step for step, _ in short] == [300, 600, 900] and [step for step, _ in long][:3] == [300, 600, 900]
+        assert short == long[:3], kind
