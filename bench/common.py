@@ -1,5 +1,7 @@
 """Shared pieces of the benchmarks: machine description, running a script as a subprocess, tables."""
 
+import functools
+import importlib.util
 import json
 import os
 import platform
@@ -97,35 +99,44 @@ def read_summary(workdir: Path, run_name: str) -> dict:
     return json.loads((workdir / "runs" / run_name / "summary.json").read_text())
 
 
-def same_setting(recorded, text: str) -> bool:
-    """Whether an args.json value is what the command-line `text` sets (numbers compared as numbers)."""
-    if isinstance(recorded, bool):
-        return text.lower() == str(recorded).lower()
-    if isinstance(recorded, (int, float)):
-        try:
-            return float(text) == float(recorded)
-        except ValueError:
-            return False
-    return str(recorded) == text
+@functools.cache
+def script_module(script: str):
+    """framework/<script> as a module, imported as `import sac` would if framework/ were on the path (the baselines
+    are scripts, not installed modules): the presets and human-mode defaults it reads look it up by that name."""
+    name = Path(script).stem
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, FRAMEWORK / script)
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
+    return sys.modules[name]
+
+
+# Settings that do not change what a run computes: a run started under another name or with a progress bar is the same run.
+NOT_THE_RUN = ("run_name", "progress_bar")
 
 
 def started_with(script: str, flags: list[str], recorded: dict) -> bool:
-    """Whether the run whose args.json is `recorded` is `script` started with `flags`, all but its --run-name:
-    `--some-flag value` as some_flag == value, a bare `--flag` as true and `--no-flag` as false."""
+    """Whether the run whose args.json is `recorded` is `script` started with `flags`: every setting the script reads
+    from that command line, its defaults included, as the run recorded it (NOT_THE_RUN aside). A setting the run does
+    not record is newer than the run, which ran with its default: it agrees unless `flags` set it."""
+    from cleanrlhf_utils.arguments import given_fields
+    from cleanrlhf_utils.cli import command_line_args
+    from cleanrlhf_utils.objectives import apply_objective
+    from cleanrlhf_utils.tracking import public_settings
+
     if recorded.get("exp_name") != Path(script).stem:
         return False
-    index = 0
-    while index < len(flags):
-        key = flags[index].removeprefix("--").replace("-", "_")
-        if index + 1 < len(flags) and not flags[index + 1].startswith("--"):
-            value, index = flags[index + 1], index + 2
-            if key != "run_name" and (key not in recorded or not same_setting(recorded[key], value)):
-                return False
-        else:  # a switch: --flag sets flag true, --no-flag sets flag false
-            index += 1
-            wanted = not (key.startswith("no_") and key[3:] in recorded)
-            if recorded.get(key if wanted else key[3:]) is not wanted:
-                return False
+    args_class = script_module(script).Args
+    parsed = command_line_args(args_class, flags)
+    for field in ("teacher_objective", "reward_objective"):  # the settings the run sets for its objective, as it does
+        apply_objective(parsed, flags, field)
+    wanted = json.loads(json.dumps(public_settings(parsed), default=str))
+    given = given_fields(flags, args_class)
+    for key, value in wanted.items():
+        if key in NOT_THE_RUN or (key not in recorded and key not in given):
+            continue
+        if key not in recorded or recorded[key] != value:
+            return False
     return True
 
 

@@ -74,14 +74,18 @@ def test_a_run_is_reused_only_where_every_flag_it_would_be_started_with_agrees()
     sys.path.insert(0, str(REPO / "bench"))
     from common import started_with
 
-    recorded = {"exp_name": "sac_rlhf", "seed": 2, "surf": False, "cuda": False, "reward_lr": 0.0003, "env_id": "Hopper-v5"}
-    flags = ["--env-id", "Hopper-v5", "--seed", "2", "--run-name", "anything", "--no-surf", "--reward-lr", "3e-4"]
+    recorded = {"exp_name": "sac_rlhf", "seed": 2, "surf": False, "cuda": False, "reward_net_lr": 0.0003, "env_id": "Hopper-v5"}
+    flags = ["--env-id", "Hopper-v5", "--seed", "2", "--run-name", "anything", "--no-surf", "--reward-net-lr", "3e-4", "--no-cuda"]
     assert started_with("sac_rlhf.py", flags, recorded)
     assert not started_with("sac.py", flags, recorded)  # another script's run
-    assert not started_with("sac_rlhf.py", [*flags[:3], "3"], recorded)  # another seed
-    assert not started_with("sac_rlhf.py", [*flags, "--cuda"], recorded)  # a bare flag that is off there
+    assert not started_with("sac_rlhf.py", [*flags[:3], "3", *flags[4:]], recorded)  # another seed
+    assert not started_with("sac_rlhf.py", flags[:-1], recorded)  # --cuda's default (on) is not what it ran with
     assert not started_with("sac_rlhf.py", [*flags, "--total-timesteps", "600"], recorded)  # a setting it does not record
-    assert started_with("sac_rlhf.py", [*flags, "--no-cuda"], recorded)
+    # A setting the flags leave at its default must be the default there too: a noisy teacher's run is not the
+    # oracle's (the reused run feedback_efficiency.py --reuse-finished once picked for the oracle).
+    assert not started_with("sac_rlhf.py", flags, recorded | {"teacher_eps_mistake": 0.2})
+    assert started_with("sac_rlhf.py", flags, recorded | {"teacher_eps_mistake": 0.0})
+    assert started_with("sac_rlhf.py", [*flags, "--teacher-eps-mistake", "0.2"], recorded | {"teacher_eps_mistake": 0.2})
 
 
 def test_only_a_run_that_ran_to_its_end_is_reused(tmp_path):
