@@ -152,6 +152,21 @@ def earlier_run(workdir: Path, script: str, flags: list[str], finished: bool) ->
     return None
 
 
+def longer_runs(workdir: Path, script: str, flags: list[str]) -> list[Path]:
+    """Run directories in `workdir`/runs of `script` started with `flags` but a larger --total-timesteps, finished or
+    not: a run's first N steps do not depend on how many follow (tests/test_end_to_end.py), so up to N they are the
+    run `flags` asks for."""
+    at = flags.index("--total-timesteps") + 1
+    found = []
+    for run_args in sorted((workdir / "runs").glob("*/args.json")):
+        recorded = json.loads(run_args.read_text())
+        total = recorded.get("total_timesteps")
+        if isinstance(total, int) and total > int(flags[at]):
+            if started_with(script, [*flags[:at], str(total), *flags[at + 1 :]], recorded):
+                found.append(run_args.parent)
+    return found
+
+
 def print_table(rows: list[dict], columns: list[str]) -> None:
     widths = [max(len(c), *(len(fmt(r.get(c))) for r in rows)) for c in columns]
     print("  ".join(c.ljust(w) for c, w in zip(columns, widths)))

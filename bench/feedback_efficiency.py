@@ -25,7 +25,8 @@ held-out accuracy, and the Pearson correlation of learned and true reward on rec
 Meta-World also the final success rate of each;
 with --target-return, the first evaluation step at which each run reached that mean return; with --oracle-from, the
 return against the oracle teacher's (oracle_ratio, oracle_last_ratio). --reuse-finished reads runs in --workdir that
-finished with exactly the flags this invocation would start them with.
+finished with exactly the flags this invocation would start them with, or with them but more steps (read at this
+invocation's last evaluation, finished or not).
 Targets (issue 2): ratio >= 0.9, accuracy >= 0.9, correlation >= 0.8.
 """
 
@@ -37,7 +38,7 @@ import statistics
 import time
 from pathlib import Path
 
-from common import REPO, earlier_run, machine_info, print_table, read_summary, run_pool, start_script, write_json
+from common import REPO, earlier_run, longer_runs, machine_info, print_table, read_summary, run_pool, start_script, write_json
 
 # (preference-based script, its short name, baseline script, its short name) per --algorithm.
 ALGORITHMS = {"sac": ("sac_rlhf.py", "pebble", "sac.py", "sac"), "ppo": ("pref_ppo.py", "pref_ppo", "ppo.py", "ppo")}
@@ -232,6 +233,58 @@ def last_evaluations_mean(curve: list[list[float]] | None, count: int = LAST_EVA
     return sum(value for _, value in curve[-count:]) / count
 
 
+# The summary's figures as a run's TensorBoard logs hold them at a step (figures_at): the last feedback session's.
+SESSION_FIGURES = {
+    "labels_obtained": "feedback/labels_obtained", "heldout_accuracy": "reward_model/heldout_accuracy",
+    "train_accuracy": "reward_model/train_accuracy", "reward_correlation": "reward_model/reward_correlation",
+}  # fmt: skip
+
+
+def figures_at(workdir: Path, run_name: str, step: int) -> dict | None:
+    """A longer run's summary figures as they stood at `step`, from its TensorBoard logs (None before it evaluated
+    there): the evaluation at `step` and the curve up to it, the last feedback session's reward-model measurements
+    and label count before it (a finished run's summary measures the model once more at its end), and its speed."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(str(workdir / "runs" / run_name), size_guidance={"scalars": 0})
+    accumulator.Reload()
+    logged = set(accumulator.Tags()["scalars"])
+
+    def until(tag: str, last: int) -> list[list[float]]:
+        return [[e.step, e.value] for e in accumulator.Scalars(tag) if e.step <= last] if tag in logged else []
+
+    curve = until("eval/mean_return", step)
+    if not curve or curve[-1][0] != step:
+        return None
+    figures = {"final_eval_return": curve[-1][1], "eval_curve": curve, "final_success_rate": None}
+    # A session logged at `step` came after the evaluation there (and a run of `step` steps never holds it).
+    for key, (tag, last) in ({k: (tag, step - 1) for k, tag in SESSION_FIGURES.items()} | {"sps": ("charts/SPS", step)}).items():
+        values = until(tag, last)
+        figures[key] = values[-1][1] if values else None
+    figures["labels_obtained"] = int(figures["labels_obtained"] or 0)
+    return figures
+
+
+def run_figures(workdir: Path, run_name: str, longer: dict | None) -> dict:
+    """A run's summary with its evaluation curve, or, for a longer run, its figures at this invocation's last step."""
+    if longer is not None:
+        return longer
+    return read_summary(workdir, run_name) | {"eval_curve": eval_curve(workdir, run_name)}
+
+
+def reused_run(workdir: Path, script: str, flags: list[str], steps: int) -> tuple[str, dict | None] | None:
+    """--reuse-finished: (run directory name, None) of a run that finished with exactly `flags`, else (name, its
+    figures at `steps`) of one started with them but more steps that has evaluated at `steps`; None: neither."""
+    if (finished := earlier_run(workdir, script, flags, finished=True)) is not None:
+        print(f"reusing {finished.name}: finished with the same flags")
+        return finished.name, None
+    for run in longer_runs(workdir, script, flags):
+        if (figures := figures_at(workdir, run.name, steps)) is not None:
+            print(f"reusing {run.name} at step {steps}: the same flags but more steps")
+            return run.name, figures
+    return None
+
+
 def first_step_reaching(curve: list[list[float]] | None, target: float) -> int | None:
     """The first evaluation step whose mean return is >= target (None: never or no curve)."""
     return next((step for step, value in curve or [] if value >= target), None)
@@ -266,7 +319,8 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument(
         "--reuse-finished", action="store_true",
-        help="runs in --workdir that finished with exactly the flags this invocation would start them with are read, not rerun",
+        help="runs in --workdir that finished with exactly the flags this invocation would start them with are read, not rerun; "
+        "so are runs started with them but more steps (finished or not) that evaluated at this invocation's last step, read there",
     )  # fmt: skip
     parser.add_argument(
         "--parallel", type=int, default=2, help="runs at once (one torch thread each; the next starts when any ends): the cores to use"
@@ -292,19 +346,17 @@ def main() -> None:
     if args.oracle_from and (lacking := [seed for seed in args.seeds if seed not in oracle]):
         raise SystemExit(f"--oracle-from has no oracle run for seeds {lacking}; it has seeds {sorted(oracle)}")
     jobs = []  # (seed, name, script, flags), started `parallel` at a time
-    run_dirs = {}  # (seed, name) -> the run directory its figures are read from
+    run_dirs = {}  # (seed, name) -> (the run directory its figures are read from, its figures at args.steps if longer)
     for seed in args.seeds:
         tag = f"{args.env_id.replace('/', '_')}_{seed}_{stamp}"
         wanted = [(rlhf, rlhf_script, [*pebble_flags(args, seed, f"bench_{rlhf}_{tag}"), *extra, *rlhf_extra])]
         if seed not in reused:
             wanted.append((base, base_script, baseline_flags(args, seed, f"bench_{base}_{tag}")))
         for name, script, flags in wanted:
-            finished = earlier_run(args.workdir, script, flags, finished=True) if args.reuse_finished else None
-            if finished is not None:
-                print(f"reusing {finished.name}: finished with the same flags")
-            else:
+            reuse = reused_run(args.workdir, script, flags, args.steps) if args.reuse_finished else None
+            if reuse is None:
                 jobs.append((seed, name, script, flags))
-            run_dirs[seed, name] = finished.name if finished else flags[flags.index("--run-name") + 1]
+            run_dirs[seed, name] = reuse or (flags[flags.index("--run-name") + 1], None)
     names = [flags[flags.index("--run-name") + 1] for *_, flags in jobs]
     run_pool(
         [
@@ -317,13 +369,8 @@ def main() -> None:
 
     rows = []
     for seed in args.seeds:
-        preference = read_summary(args.workdir, run_dirs[seed, rlhf])
-        preference["eval_curve"] = eval_curve(args.workdir, run_dirs[seed, rlhf])
-        if seed in reused:
-            baseline = reused[seed]
-        else:
-            baseline = read_summary(args.workdir, run_dirs[seed, base])
-            baseline["eval_curve"] = eval_curve(args.workdir, run_dirs[seed, base])
+        preference = run_figures(args.workdir, *run_dirs[seed, rlhf])
+        baseline = reused[seed] if seed in reused else run_figures(args.workdir, *run_dirs[seed, base])
         window = [last_evaluations_mean(run.get("eval_curve")) for run in (preference, baseline)]
         rows.append({
             "env_id": args.env_id, "variant": args.variant, "seed": seed, "steps": args.steps, "labels": preference["labels_obtained"],

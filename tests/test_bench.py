@@ -223,3 +223,41 @@ def test_the_oracle_setting_is_read_at_the_same_step_and_only_from_an_oracle_tea
     noisy_results = write_results(tmp_path / "noisy.json", oracle | {"teacher_eps_mistake": 0.2}, [{"seed": 3, "pebble_eval_curve": curve}])
     with pytest.raises(SystemExit, match="not the oracle"):
         feedback_efficiency.earlier_oracle_runs([noisy_results], noisy, "pebble")
+
+
+def test_a_longer_run_with_the_same_flags_is_read_at_this_invocations_last_evaluation(tmp_path):
+    """--reuse-finished also reads a run started with the same flags but more steps, finished or not, once it has
+    evaluated at this invocation's last step: the evaluation there, the curve up to it, and the last feedback session
+    before it (the one logged at that step came after the evaluation). A run with another setting, or one that has
+    not evaluated there yet, is not read."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    import sac_rlhf
+    from cleanrlhf_utils.cli import command_line_args
+    from cleanrlhf_utils.tracking import public_settings
+
+    flags = feedback_efficiency.pebble_flags(bench_settings(env_id="Hopper-v5", steps=200, teacher_eps_mistake=0.2), 1, "wanted")
+
+    def write_run(name: str, total: int, eps: float, evaluated: list[int]) -> None:
+        run_flags = [*flags, "--total-timesteps", str(total), "--teacher-eps-mistake", str(eps)]
+        (tmp_path / "runs" / name).mkdir(parents=True)
+        recorded = json.dumps(public_settings(command_line_args(sac_rlhf.Args, run_flags)), default=str)
+        (tmp_path / "runs" / name / "args.json").write_text(recorded)
+        writer = SummaryWriter(str(tmp_path / "runs" / name))
+        for step in evaluated:
+            writer.add_scalar("eval/mean_return", step / 10, step)
+            writer.add_scalar("feedback/labels_obtained", step // 20, step)
+            writer.add_scalar("reward_model/heldout_accuracy", step / 1000, step)
+            writer.add_scalar("charts/SPS", 30.0, step)
+        writer.close()
+
+    write_run("a_other_teacher", 400, 0.1, [100, 200, 300])
+    write_run("b_not_there_yet", 400, 0.2, [100])
+    assert feedback_efficiency.reused_run(tmp_path, "sac_rlhf.py", flags, 200) is None
+    write_run("c_longer", 400, 0.2, [100, 200, 300])
+    name, figures = feedback_efficiency.reused_run(tmp_path, "sac_rlhf.py", flags, 200)
+    assert name == "c_longer" and figures["final_eval_return"] == 20.0 and figures["eval_curve"] == [[100, 10.0], [200, 20.0]]
+    assert figures["labels_obtained"] == 5 and figures["heldout_accuracy"] == pytest.approx(0.1)  # the session at 100
+    assert figures["sps"] == 30.0 and figures["reward_correlation"] is None  # not logged there
+    shorter = feedback_efficiency.pebble_flags(bench_settings(env_id="Hopper-v5", steps=500, teacher_eps_mistake=0.2), 1, "wanted")
+    assert feedback_efficiency.reused_run(tmp_path, "sac_rlhf.py", shorter, 500) is None  # no run as long
