@@ -11,9 +11,9 @@ With --algorithm ppo: PrefPPO (pref_ppo.py) vs PPO (ppo.py), same label budget a
         --baseline-from bench/results/feedback_efficiency_walker_walk.json bench/results/feedback_efficiency_walker_walk_seed2.json
         # --variant: pebble (the defaults), tuned (the README's recommendation), qpa (and qpa-no-hybrid, qpa-no-crops);
         # --baseline-from reuses SAC's runs
-    python bench/feedback_efficiency.py --steps 60000 --seeds 1 2 3 --teacher-eps-mistake 0.2 --robust-labels rime \\
-        --baseline-from bench/results/feedback_efficiency_hopper_pebble.json \\
-        --oracle-from bench/results/feedback_efficiency_hopper_pebble.json
+    python bench/feedback_efficiency.py --steps 50000 --seeds 1 2 3 --teacher-eps-mistake 0.2 --robust-labels rime \\
+        --baseline-from bench/results/feedback_efficiency_hopper_pebble_50k.json \\
+        --oracle-from bench/results/feedback_efficiency_hopper_pebble_50k.json
         # a noisy teacher (B-Pref's flags) and a defence; oracle_ratio: against the oracle teacher's runs of the same
         # setting at the same step (longer runs are read at this invocation's last evaluation)
     python bench/feedback_efficiency.py --algorithm ppo --env-id CartPole-v1 --steps 100000 --explore-steps 0 \\
@@ -154,11 +154,15 @@ def curve_until(curve: list[list[float]] | None, step: int) -> list[list[float]]
     return [[at, value] for at, value in curve if at <= step]
 
 
-def earlier_results(paths: list[Path], args, settings: tuple[str, ...], flag: str, defaults: dict | None = None):
+# A setting's value in results written before they recorded it.
+RECORDED_LATER = {"algorithm": "sac"}
+
+
+def earlier_results(paths: list[Path], args, settings: tuple[str, ...], flag: str):
     """(path, result) of each earlier results JSON of this benchmark whose `settings` agree with this invocation's, the
     number of steps excepted where the earlier ran longer (its evaluations are read up to this invocation's steps); any
-    other difference is one error line naming it. `defaults`: the value a setting had before results recorded it."""
-    defaults = {"algorithm": "sac", **(defaults or {})}
+    other difference is one error line naming it."""
+    defaults = RECORDED_LATER
     for path in paths:
         result = json.loads(path.read_text())
         recorded = result["settings"]
