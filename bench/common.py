@@ -115,40 +115,56 @@ def script_module(script: str):
 NOT_THE_RUN = ("run_name", "progress_bar")
 
 
-def started_with(script: str, flags: list[str], recorded: dict) -> bool:
-    """Whether the run whose args.json is `recorded` is `script` started with `flags`: every setting the script reads
-    from that command line, its defaults included, as the run recorded it (NOT_THE_RUN aside). A setting the run does
-    not record is newer than the run, which ran with its default: it agrees unless `flags` set it."""
+def run_settings(script: str, flags: list[str]) -> tuple[dict, set[str]]:
+    """(every setting `script` reads from `flags`, its defaults included, as args.json records it; the names the flags
+    set): the script's own parse of the command line, plus what its objective sets (apply_objective)."""
     from cleanrlhf_utils.arguments import given_fields
     from cleanrlhf_utils.cli import command_line_args
     from cleanrlhf_utils.objectives import apply_objective
     from cleanrlhf_utils.tracking import public_settings
 
-    if recorded.get("exp_name") != Path(script).stem:
-        return False
     args_class = script_module(script).Args
     parsed = command_line_args(args_class, flags)
     for field in ("teacher_objective", "reward_objective"):  # the settings the run sets for its objective, as it does
         apply_objective(parsed, flags, field)
-    wanted = json.loads(json.dumps(public_settings(parsed), default=str))
-    given = given_fields(flags, args_class)
+    return json.loads(json.dumps(public_settings(parsed), default=str)), given_fields(flags, args_class)
+
+
+def agrees(wanted: dict, given: set[str], recorded: dict, besides: tuple[str, ...] = ()) -> bool:
+    """Whether a run's args.json `recorded` holds the settings `wanted` (run_settings), NOT_THE_RUN and `besides`
+    aside. A setting the run does not record is newer than the run, which ran with its default: it agrees unless the
+    flags set it."""
+    if recorded.get("exp_name") != wanted.get("exp_name"):
+        return False
     for key, value in wanted.items():
-        if key in NOT_THE_RUN or (key not in recorded and key not in given):
+        if key in NOT_THE_RUN or key in besides or (key not in recorded and key not in given):
             continue
         if key not in recorded or recorded[key] != value:
             return False
     return True
 
 
+def started_with(script: str, flags: list[str], recorded: dict) -> bool:
+    """Whether the run whose args.json is `recorded` is `script` started with `flags`: every setting, defaults
+    included, as the run recorded it (agrees)."""
+    return recorded.get("exp_name") == Path(script).stem and agrees(*run_settings(script, flags), recorded)
+
+
+def recorded_runs(workdir: Path) -> list[tuple[Path, dict]]:
+    """(run directory, its args.json) of every run in `workdir`/runs, in name order."""
+    return [(path.parent, json.loads(path.read_text())) for path in sorted((workdir / "runs").glob("*/args.json"))]
+
+
 def earlier_run(workdir: Path, script: str, flags: list[str], finished: bool) -> Path | None:
     """A run directory in `workdir`/runs of `script` started with `flags`; where `finished`, one that ran to its end
     (a summary.json that is not an interrupted run's)."""
-    for run_args in sorted((workdir / "runs").glob("*/args.json")):
-        summary = run_args.parent / "summary.json"
+    wanted, given = run_settings(script, flags)
+    for run, recorded in recorded_runs(workdir):
+        summary = run / "summary.json"
         if finished and (not summary.exists() or json.loads(summary.read_text()).get("interrupted")):
             continue
-        if started_with(script, flags, json.loads(run_args.read_text())):
-            return run_args.parent
+        if agrees(wanted, given, recorded):
+            return run
     return None
 
 
@@ -156,15 +172,14 @@ def longer_runs(workdir: Path, script: str, flags: list[str]) -> list[Path]:
     """Run directories in `workdir`/runs of `script` started with `flags` but a larger --total-timesteps, finished or
     not: a run's first N steps do not depend on how many follow (tests/test_end_to_end.py), so up to N they are the
     run `flags` asks for."""
-    at = flags.index("--total-timesteps") + 1
-    found = []
-    for run_args in sorted((workdir / "runs").glob("*/args.json")):
-        recorded = json.loads(run_args.read_text())
-        total = recorded.get("total_timesteps")
-        if isinstance(total, int) and total > int(flags[at]):
-            if started_with(script, [*flags[:at], str(total), *flags[at + 1 :]], recorded):
-                found.append(run_args.parent)
-    return found
+    wanted, given = run_settings(script, flags)
+    return [
+        run
+        for run, recorded in recorded_runs(workdir)
+        if isinstance(recorded.get("total_timesteps"), int)
+        and recorded["total_timesteps"] > wanted["total_timesteps"]
+        and agrees(wanted, given, recorded, besides=("total_timesteps",))
+    ]
 
 
 def print_table(rows: list[dict], columns: list[str]) -> None:
