@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
 REPO = Path(__file__).resolve().parent.parent
 FRAMEWORK = REPO / "framework"
 
@@ -194,6 +196,15 @@ def fmt(value) -> str:
     if isinstance(value, float):
         return f"{value:.3f}" if abs(value) < 10 else f"{value:.1f}"
     return "" if value is None else str(value)
+
+
+def spread(values: list) -> dict:
+    """Median and interquartile range over seeds (None where no seed has the value)."""
+    present = [value for value in values if value is not None]
+    if not present:
+        return {"median": None, "q25": None, "q75": None}
+    q25, median, q75 = np.percentile(present, [25, 50, 75])
+    return {"median": float(median), "q25": float(q25), "q75": float(q75)}
 
 
 def write_json(path: Path, payload: dict) -> None:

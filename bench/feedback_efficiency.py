@@ -38,7 +38,18 @@ import statistics
 import time
 from pathlib import Path
 
-from common import REPO, earlier_run, longer_runs, machine_info, print_table, read_summary, run_pool, start_script, write_json
+from common import (
+    REPO,
+    earlier_run,
+    longer_runs,
+    machine_info,
+    print_table,
+    read_summary,
+    run_pool,
+    spread,
+    start_script,
+    write_json,
+)
 
 # (preference-based script, its short name, baseline script, its short name) per --algorithm.
 ALGORITHMS = {"sac": ("sac_rlhf.py", "pebble", "sac.py", "sac"), "ppo": ("pref_ppo.py", "pref_ppo", "ppo.py", "ppo")}
@@ -427,6 +438,8 @@ def main() -> None:
             | {name: [str(p) for p in getattr(args, name) or []] for name in ("baseline_from", "oracle_from")},
             "rows": rows,
             "median": median,
+            # the seeds' interquartile range beside each median: with Hopper's seed-to-seed swings, medians alone rank luck
+            "spread": {key: spread([row[key] for row in rows]) for key in keys},
             "published": PUBLISHED.get(args.env_id),
         },
     )

@@ -37,8 +37,7 @@ import shlex
 import time
 from pathlib import Path
 
-import numpy as np
-from common import REPO, machine_info, print_table, read_summary, run_pool, start_script, write_json
+from common import REPO, machine_info, print_table, read_summary, run_pool, spread, start_script, write_json
 from feedback_efficiency import baseline_flags, earlier_baselines, eval_curve, last_evaluations_mean, pebble_flags
 
 # The README's recommended settings per task (bench/feedback_efficiency.py --variant and label budget), issue 27's figures.
@@ -98,15 +97,6 @@ def reused_row(task: str, seed: int, earlier: dict) -> dict:
     row = {"task": task, "kind": "sac", "seed": seed, "run_name": None, "from": earlier["from"], "reward_model_from": None}
     row |= {"final_eval_return": earlier["final_eval_return"], "last_return": last_evaluations_mean(curve), "eval_curve": curve}
     return row | dict.fromkeys(MEASURES)
-
-
-def spread(values: list) -> dict:
-    """Median and interquartile range over seeds (None where no seed has the value)."""
-    present = [value for value in values if value is not None]
-    if not present:
-        return {"median": None, "q25": None, "q75": None}
-    q25, median, q75 = np.percentile(present, [25, 50, 75])
-    return {"median": float(median), "q25": float(q25), "q75": float(q75)}
 
 
 def decomposition(rows: list[dict]) -> list[dict]:

@@ -292,12 +292,20 @@ def noise_table(results: list[dict]) -> list[str]:
             )
         med = {name: median([row.get(name) for row in rows]) for name in ("pebble_return", "oracle_return", "oracle_ratio")}
         med |= {name: median([row.get(name) for row in rows]) for name in ("pebble_last_return", "oracle_last_return", "oracle_last_ratio")}
+        ratio, last_ratio = (ratio_with_spread(result, name, med[name]) for name in ("oracle_ratio", "oracle_last_ratio"))
         lines.append(
             f"| **{defence}, median** | | {number(med['pebble_return'])} | {number(med['oracle_return'])} "
-            f"| **{number(med['oracle_ratio'], 2)}** | {number(med['pebble_last_return'])} vs {number(med['oracle_last_return'])} "
-            f"| **{number(med['oracle_last_ratio'], 2)}** | | |"
+            f"| {ratio} | {number(med['pebble_last_return'])} vs {number(med['oracle_last_return'])} | {last_ratio} | | |"
         )
     return lines
+
+
+def ratio_with_spread(result: dict, name: str, value: float | None) -> str:
+    """A median ratio in bold, with the seeds' interquartile range where the result recorded it (`spread`, since
+    feedback_efficiency.py wrote it)."""
+    entry = result.get("spread", {}).get(name)
+    bold = f"**{number(value, 2)}**"
+    return bold if not entry or entry.get("median") is None else f"{bold} [{number(entry['q25'], 2)}, {number(entry['q75'], 2)}]"
 
 
 def median(values: list) -> float | None:

@@ -20,7 +20,7 @@ sys.path.insert(0, str(REPO / "bench"))
 try:
     import feedback_efficiency
     import throughput
-    from common import run_pool
+    from common import run_pool, spread
 finally:
     sys.path.remove(str(REPO / "bench"))
 
@@ -86,6 +86,13 @@ def test_last_evaluations_mean_is_the_mean_of_the_last_three_or_nothing():
     assert feedback_efficiency.last_evaluations_mean(None) is None  # a reused baseline from before curves were kept
     assert feedback_efficiency.first_step_reaching(curve, 1000) == 20_000
     assert feedback_efficiency.first_step_reaching(curve, 5000) is None
+
+
+def test_a_spread_is_the_median_and_interquartile_range_of_the_seeds_that_have_the_value():
+    """What feedback_efficiency.py and reward_gap.py write beside their medians: a seed without the value (a reused
+    baseline recorded without its curve) drops out instead of counting as zero."""
+    assert spread([5.0, 1.0, None, 3.0, 2.0, 4.0]) == {"median": 3.0, "q25": 2.0, "q75": 4.0}
+    assert spread([None, None]) == {"median": None, "q25": None, "q75": None}
 
 
 def bench_settings(**changes):

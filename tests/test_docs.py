@@ -305,11 +305,14 @@ def test_a_noise_table_shows_each_defence_against_the_oracle_teacher_at_the_same
         return {"settings": {"robust_labels": defence}, "rows": rows}
 
     results = {"none": result("none", [100.0, 500.0, 300.0]), "rime": result("rime", [900.0, 700.0, 800.0])}
+    # A result written with its seeds' spread shows the interquartile range beside each median ratio.
+    results["rime"]["spread"] = {"oracle_ratio": {"median": 0.8, "q25": 0.75, "q75": 0.85}, "oracle_last_ratio": {"median": 1.0}}
+    results["rime"]["spread"]["oracle_last_ratio"] |= {"q25": 0.9375, "q75": 1.0625}
     page = "<!-- table: noise none rime -->\n<!-- /table -->\n"
     lines = gen_docs.fill_tables(page, results, "page.md").splitlines()
     assert lines[3] == "| none | 1 | 100 | 1000 | 0.10 | 100 vs 800 | 0.12 | 0.90 | 0.80 |"
     assert lines[6] == "| **none, median** | | 300 | 1000 | **0.30** | 300 vs 800 | **0.38** | | |"
-    assert lines[10] == "| **rime, median** | | 800 | 1000 | **0.80** | 800 vs 800 | **1.00** | | |"
+    assert lines[10] == "| **rime, median** | | 800 | 1000 | **0.80** [0.75, 0.85] | 800 vs 800 | **1.00** [0.94, 1.06] | | |"
 
 
 def test_a_feedback_command_is_rebuilt_with_switches_as_bare_flags_and_reused_results_as_typed():
