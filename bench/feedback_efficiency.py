@@ -119,8 +119,9 @@ def variant_flags(variant: str, env_id: str) -> list[str]:
 
 
 # The teacher's noise (B-Pref's mistake and beta-rational models) and the label-noise defence, passed to the preference
-# run as they are: a noisy teacher's cost is the return against the same setting with the oracle (the defaults).
-TEACHER_FLAGS = {"teacher_eps_mistake": 0.0, "teacher_beta": -1.0, "robust_labels": "none"}
+# run as they are: a noisy teacher's cost is the return against the same setting with the oracle (the defaults, which
+# are the scripts' own: tests/test_bench.py holds them equal). --rime-flip-tau 1e-40: rime that drops and never flips.
+TEACHER_FLAGS = {"teacher_eps_mistake": 0.0, "teacher_beta": -1.0, "robust_labels": "none", "rime_flip_tau": 0.001}
 
 
 def teacher_flags(args) -> list[str]:
@@ -323,6 +324,10 @@ def main() -> None:
     parser.add_argument("--teacher-beta", type=float, default=-1.0, help="beta-rational teacher (Bradley-Terry sampling); -1: oracle")
     parser.add_argument("--robust-labels", choices=["none", "smooth", "rime"], default="none", help="the label-noise defence of the run")
     parser.add_argument(
+        "--rime-flip-tau", type=float, default=TEACHER_FLAGS["rime_flip_tau"],
+        help="rime: a label trains flipped when the model gives it a probability below this (1e-40: never; it is only dropped)",
+    )  # fmt: skip
+    parser.add_argument(
         "--baseline-from", type=Path, nargs="+", default=None,
         help="earlier results JSON of this benchmark: reuse their baseline runs (same env and evaluation, as many steps or more) "
         "instead of running them; seeds they lack are run",
@@ -343,6 +348,8 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=REPO / "bench" / "workdir")
     parser.add_argument("--output", type=Path, default=None, help="default: bench/results/feedback_efficiency[_ppo].json")
     args = parser.parse_args()
+    if args.rime_flip_tau != TEACHER_FLAGS["rime_flip_tau"] and args.robust_labels != "rime":
+        parser.error(f"--rime-flip-tau {args.rime_flip_tau} only acts with --robust-labels rime, got {args.robust_labels}")
     if args.output is None:
         suffix = "" if args.algorithm == "sac" else f"_{args.algorithm}"
         args.output = REPO / "bench" / "results" / f"feedback_efficiency{suffix}.json"

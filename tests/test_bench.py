@@ -144,15 +144,28 @@ def test_feedback_efficiency_passes_the_teachers_noise_and_the_defence_to_the_pr
     assert oracle == feedback_efficiency.pebble_flags(
         bench_settings(teacher_eps_mistake=0.0, teacher_beta=-1.0, robust_labels="none"), 1, "run"
     )
-    noisy = bench_settings(teacher_eps_mistake=0.2, teacher_beta=10.0, robust_labels="rime")
+    noisy = bench_settings(teacher_eps_mistake=0.2, teacher_beta=10.0, robust_labels="rime", rime_flip_tau=1e-40)
     parsed = tyro.cli(script.Args, args=feedback_efficiency.pebble_flags(noisy, 1, "run"))
     assert (parsed.teacher_eps_mistake, parsed.teacher_beta, parsed.robust_labels) == (0.2, 10.0, "rime")
     assert asdict(parsed) == asdict(tyro.cli(script.Args, args=oracle)) | {
         "teacher_eps_mistake": 0.2,
         "teacher_beta": 10.0,
         "robust_labels": "rime",
+        "rime_flip_tau": 1e-40,
     }
     assert feedback_efficiency.baseline_flags(noisy, 1, "run") == feedback_efficiency.baseline_flags(bench_settings(), 1, "run")
+    # The bench's oracle values are both scripts' defaults: a run with them is the oracle setting, and adds no flag.
+    for name in ("sac-rlhf", "pref-ppo"):
+        defaults = sweep.load_script(name).Args()
+        assert {key: getattr(defaults, key) for key in feedback_efficiency.TEACHER_FLAGS} == feedback_efficiency.TEACHER_FLAGS
+
+
+def test_feedback_efficiency_refuses_a_flip_threshold_without_rime():
+    """--rime-flip-tau without --robust-labels rime would be passed on and never act: one line naming both, exit 2."""
+    bench = [sys.executable, str(REPO / "bench/feedback_efficiency.py"), "--rime-flip-tau", "1e-40", "--robust-labels", "smooth"]
+    refused = subprocess.run(bench, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2
+    assert "--rime-flip-tau 1e-40 only acts with --robust-labels rime, got smooth" in refused.stderr.splitlines()[-1]
 
 
 def test_throughput_runs_versions_side_by_side_on_one_thread_and_alone_on_more():
