@@ -283,6 +283,8 @@ def noise_table(results: list[dict]) -> list[str]:
     ]
     for result in results:
         defence, rows = result["settings"].get("robust_labels", "none"), result["rows"]
+        flip_tau = result["settings"].get("rime_flip_tau", 0.001)  # --rime-flip-tau: the bench's default, or drop-only
+        defence += f" (flip τ {flip_tau:g})" if defence == "rime" and flip_tau != 0.001 else ""
         for row in rows:
             lines.append(
                 f"| {defence} | {row['seed']} | {number(row['pebble_return'])} | {number(row.get('oracle_return'))} "

@@ -313,6 +313,10 @@ def test_a_noise_table_shows_each_defence_against_the_oracle_teacher_at_the_same
     assert lines[3] == "| none | 1 | 100 | 1000 | 0.10 | 100 vs 800 | 0.12 | 0.90 | 0.80 |"
     assert lines[6] == "| **none, median** | | 300 | 1000 | **0.30** | 300 vs 800 | **0.38** | | |"
     assert lines[10] == "| **rime, median** | | 800 | 1000 | **0.80** [0.75, 0.85] | 800 vs 800 | **1.00** [0.94, 1.06] | | |"
+    # rime with another flip threshold (--rime-flip-tau 1e-40: drop, never flip) is named apart from rime's defaults
+    results["rime"]["settings"]["rime_flip_tau"] = 1e-40
+    lines = gen_docs.fill_tables(page, results, "page.md").splitlines()
+    assert lines[7].startswith("| rime (flip τ 1e-40) | 1 | 900 |") and lines[10].startswith("| **rime (flip τ 1e-40), median** |")
 
 
 def test_a_feedback_command_is_rebuilt_with_switches_as_bare_flags_and_reused_results_as_typed():
