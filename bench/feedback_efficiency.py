@@ -174,15 +174,14 @@ def earlier_results(paths: list[Path], args, settings: tuple[str, ...], flag: st
     """(path, result) of each earlier results JSON of this benchmark whose `settings` agree with this invocation's, the
     number of steps excepted where the earlier ran longer (its evaluations are read up to this invocation's steps); any
     other difference is one error line naming it."""
-    defaults = RECORDED_LATER
     for path in paths:
         result = json.loads(path.read_text())
         recorded = result["settings"]
-        mismatch = [k for k in settings if k != "steps" and recorded.get(k, defaults.get(k)) != getattr(args, k)]
+        mismatch = [k for k in settings if k != "steps" and recorded.get(k, RECORDED_LATER.get(k)) != getattr(args, k)]
         if recorded["steps"] < args.steps:
             mismatch.append("steps")
         if mismatch:
-            wanted = ", ".join(f"{k} {recorded.get(k, defaults.get(k))!r} (this invocation: {getattr(args, k)!r})" for k in mismatch)
+            wanted = ", ".join(f"{k} {recorded.get(k, RECORDED_LATER.get(k))!r} (this invocation: {getattr(args, k)!r})" for k in mismatch)
             raise SystemExit(f"{flag} {path}: its {wanted} differ; its runs must match this invocation's (or run longer)")
         yield path, result
 
