@@ -113,6 +113,15 @@ def class_fields(repo: Path, path: Path, node: ast.ClassDef, cache: dict) -> lis
     return list(fields.values())
 
 
+def args_default(repo: Path, script: str, name: str, cache: dict | None = None):
+    """The default of field `name` of a script's Args (SCRIPTS names the script), as a Python value."""
+    path = repo / SCRIPTS[script]
+    cache = {} if cache is None else cache
+    owner_path, node = find_class(repo, path, "Args", cache)
+    field = next(field for field in class_fields(repo, owner_path, node, cache) if field.name == name)
+    return ast.literal_eval(field.default)
+
+
 def markdown_text(text: str) -> str:
     """Text for a table cell: `|` escaped; outside code spans, < > (else read as HTML tags) and _ * (else emphasis)."""
     parts = text.replace("|", "\\|").split("`")
@@ -273,9 +282,11 @@ def feedback_table(rows: list[dict], ppo: bool) -> list[str]:
     return lines
 
 
-def noise_table(results: list[dict]) -> list[str]:
+def noise_table(results: list[dict], repo: Path = REPO) -> list[str]:
     """A noisy teacher's cost per seed: each file's runs (one defence each) against the oracle teacher's runs of the same
-    setting at the same step (--oracle-from), and a median row per defence."""
+    setting at the same step (--oracle-from), and a median row per defence. A rime run whose flip threshold is not the
+    scripts' default (e.g. drop-only) is named with it."""
+    flip_default = args_default(repo, "sac_rlhf", "rime_flip_tau")
     lines = [
         "| defence | seed | return | oracle's return | × oracle | last-3 mean vs oracle's | last-3 × oracle "
         "| held-out accuracy | reward correlation |",
@@ -283,8 +294,8 @@ def noise_table(results: list[dict]) -> list[str]:
     ]
     for result in results:
         defence, rows = result["settings"].get("robust_labels", "none"), result["rows"]
-        flip_tau = result["settings"].get("rime_flip_tau", 0.001)  # --rime-flip-tau: the bench's default, or drop-only
-        defence += f" (flip τ {flip_tau:g})" if defence == "rime" and flip_tau != 0.001 else ""
+        flip_tau = result["settings"].get("rime_flip_tau", flip_default)  # older results ran before the flag: the default
+        defence += f" (flip τ {flip_tau:g})" if defence == "rime" and flip_tau != flip_default else ""
         for row in rows:
             lines.append(
                 f"| {defence} | {row['seed']} | {number(row['pebble_return'])} | {number(row.get('oracle_return'))} "
@@ -551,7 +562,7 @@ def measurements_page(results: dict[str, dict]) -> str:
 TABLE_MARKER = re.compile(r"(<!-- table: (\w+) ([^>]*?) -->\n)(.*?)(<!-- /table -->)", re.S)
 
 
-def marked_table(kind: str, stems: list[str], results: dict[str, dict], where: str) -> str:
+def marked_table(kind: str, stems: list[str], results: dict[str, dict], where: str, repo: Path = REPO) -> str:
     missing = [stem for stem in stems if stem not in results]
     if missing:
         raise SystemExit(f"{where}: no bench/results/{missing[0]}.json for its table marker")
@@ -561,7 +572,7 @@ def marked_table(kind: str, stems: list[str], results: dict[str, dict], where: s
     if kind == "gap":
         return "\n".join(gap_table(results[stems[0]])) + "\n"
     if kind == "noise":
-        return "\n".join(noise_table([results[stem] for stem in stems])) + "\n"
+        return "\n".join(noise_table([results[stem] for stem in stems], repo)) + "\n"
     if kind == "rows":
         result = results[stems[0]]
         rows = next(result[key] for key in ("rows", "results", "medians") if isinstance(result.get(key), list))
@@ -570,9 +581,9 @@ def marked_table(kind: str, stems: list[str], results: dict[str, dict], where: s
     raise SystemExit(f"{where}: unknown table kind {kind!r} (feedback, rows, gap, noise)")
 
 
-def fill_tables(text: str, results: dict[str, dict], where: str) -> str:
+def fill_tables(text: str, results: dict[str, dict], where: str, repo: Path = REPO) -> str:
     def replace(match: re.Match) -> str:
-        return match.group(1) + marked_table(match.group(2), match.group(3).split(), results, where) + match.group(5)
+        return match.group(1) + marked_table(match.group(2), match.group(3).split(), results, where, repo) + match.group(5)
 
     return TABLE_MARKER.sub(replace, text)
 
@@ -603,7 +614,7 @@ def generate(repo: Path = REPO) -> tuple[dict[str, str], dict[str, Callable[[Pat
         relative = str(path.relative_to(repo))
         text = pages.get(relative, path.read_text())
         if relative not in pages and TABLE_MARKER.search(text):
-            pages[relative] = fill_tables(text, results, relative)
+            pages[relative] = fill_tables(text, results, relative, repo)
     plot_files = {f"docs/benchmarks/img/{stem}.png": draw for stem, draw in plots.items()}
     return pages, plot_files
 

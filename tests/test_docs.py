@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+import sac_rlhf
+
 REPO = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("gen_docs", REPO / "scripts" / "gen_docs.py")
 gen_docs = importlib.util.module_from_spec(_spec)
@@ -317,6 +319,21 @@ def test_a_noise_table_shows_each_defence_against_the_oracle_teacher_at_the_same
     results["rime"]["settings"]["rime_flip_tau"] = 1e-40
     lines = gen_docs.fill_tables(page, results, "page.md").splitlines()
     assert lines[7].startswith("| rime (flip τ 1e-40) | 1 | 900 |") and lines[10].startswith("| **rime (flip τ 1e-40), median** |")
+
+
+def test_a_noise_table_takes_rimes_default_flip_threshold_from_the_script(tmp_path):
+    """Which rime runs are named by their flip threshold follows sac_rlhf.py's Args default, read from its source: with a
+    script whose default is 0.01, a 0.01 run is plain `rime` and a 0.001 run is named apart."""
+    (tmp_path / "framework").mkdir()
+    (tmp_path / "framework" / "sac_rlhf.py").write_text('class Args:\n    rime_flip_tau: float = 0.01\n    """doc"""\n')
+    assert gen_docs.args_default(tmp_path, "sac_rlhf", "rime_flip_tau") == 0.01
+    assert gen_docs.args_default(REPO, "sac_rlhf", "rime_flip_tau") == sac_rlhf.Args().rime_flip_tau
+    row = {"seed": 1, "pebble_return": 1.0, "oracle_return": 2.0, "oracle_ratio": 0.5}
+    names = []
+    for flip_tau in (0.01, 0.001):
+        result = {"settings": {"robust_labels": "rime", "rime_flip_tau": flip_tau}, "rows": [row]}
+        names.append(gen_docs.noise_table([result], tmp_path)[2].split(" | ")[0])
+    assert names == ["| rime", "| rime (flip τ 0.001)"]
 
 
 def test_a_feedback_command_is_rebuilt_with_switches_as_bare_flags_and_reused_results_as_typed():
