@@ -150,7 +150,13 @@ def test_ctrl_c_prints_the_command_that_resumes_the_run(tmp_path, stop, code):
     resume it (SIGTERM used to kill it with only the last periodic checkpoint, and orphan an autostarted server)."""
     script = REPO / "framework/sac_rlhf.py"
     env = os.environ | {"WANDB_MODE": "offline"}
-    process = subprocess.Popen([sys.executable, str(script), *TINY_PEBBLE], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    # A terminal delivers Ctrl-C to a run whose SIGINT is at its default. A suite started in the background by a
+    # non-interactive shell passes SIGINT on ignored, and the run may keep it so: a CI started with
+    # `(nohup bash .ci/run &)` lost the signal once. Start the run as a terminal would.
+    process = subprocess.Popen(
+        [sys.executable, str(script), *TINY_PEBBLE], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )  # fmt: skip
     deadline = time.time() + 300
     while not list(tmp_path.glob("models/*/400/checkpoint.pt")) and process.poll() is None and time.time() < deadline:
         time.sleep(0.05)  # exploration is over (its checkpoint is written): Ctrl-C in the middle of learning
