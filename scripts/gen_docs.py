@@ -113,11 +113,10 @@ def class_fields(repo: Path, path: Path, node: ast.ClassDef, cache: dict) -> lis
     return list(fields.values())
 
 
-def args_default(repo: Path, script: str, name: str, cache: dict | None = None):
+def args_default(repo: Path, script: str, name: str):
     """The default of field `name` of a script's Args (SCRIPTS names the script), as a Python value."""
-    path = repo / SCRIPTS[script]
-    cache = {} if cache is None else cache
-    owner_path, node = find_class(repo, path, "Args", cache)
+    cache: dict[Path, ast.Module] = {}
+    owner_path, node = find_class(repo, repo / SCRIPTS[script], "Args", cache)
     field = next(field for field in class_fields(repo, owner_path, node, cache) if field.name == name)
     return ast.literal_eval(field.default)
 
