@@ -376,7 +376,7 @@ def validate_preference_args(args) -> None:
 @dataclass
 class Args(CheckpointArgs, FeedbackArgs, PreferenceArgs, PPOArgs, PresetArgs):
     """PrefPPO's settings: PPO's, preference learning's, the teacher's (cleanrlhf_utils.feedback.FeedbackArgs),
-    checkpoints' (cleanrlhf_utils.runs.CheckpointArgs) and the --preset they start from (cleanrlhf_utils.presets)."""
+    checkpoints' (cleanrlhf_utils.checkpoints.CheckpointArgs) and the --preset they start from (cleanrlhf_utils.presets)."""
 
     buffer_size: int = 100_000
     """recent transitions kept (with their simulator states) to draw query segments from (capped at total_timesteps)"""

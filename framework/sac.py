@@ -17,18 +17,35 @@ import torch.nn as nn
 
 from cleanrlhf_utils import envs as cleanrlhf_envs
 from cleanrlhf_utils.buffers import ReplayBuffer
-from cleanrlhf_utils.checkpoints import load_optimizer, save_checkpoint
-from cleanrlhf_utils.cli import cli
-from cleanrlhf_utils.envs import autoreset_pending, check_env_id, get_physics_state, physics_state_size
+from cleanrlhf_utils.checkpoints import (
+    ResumeArgs,
+    earlier_wall_seconds,
+    load_checkpoint,
+    load_optimizer,
+    load_training_state,
+    save_checkpoint,
+    training_state,
+    validate_resume_args,
+)
+from cleanrlhf_utils.cli import RunInterrupted, cli
+from cleanrlhf_utils.envs import (
+    autoreset_pending,
+    capture_env_state,
+    check_env_id,
+    get_physics_state,
+    physics_state_size,
+    restore_env_state,
+)
 from cleanrlhf_utils.errors import need
 from cleanrlhf_utils.evaluate import evaluate_and_log, success_summary
-from cleanrlhf_utils.objectives import ObjectiveReward, apply_objective
+from cleanrlhf_utils.objectives import apply_objective, step_rewards
 from cleanrlhf_utils.tracking import (
     AGENT_MEASURES,
     RecentMeans,
     announce_run,
     default_run_name,
     progress_bar,
+    public_settings,
     start_logging,
     stop_logging,
     write_summary,
@@ -371,8 +388,9 @@ class SACAgent:
 # The baseline: SAC on the environment's reward
 # ----------------------------------------------------------------------------------------
 @dataclass
-class Args(SACArgs):
-    """SAC on the environment's true reward (the baseline of sac_rlhf.py)."""
+class Args(ResumeArgs, SACArgs):
+    """SAC on the environment's true reward (the baseline of sac_rlhf.py), with checkpoints to resume from
+    (cleanrlhf_utils.checkpoints.ResumeArgs)."""
 
     exp_name: str = "sac"
     """the name of this experiment (part of the run name)"""
@@ -381,16 +399,29 @@ class Args(SACArgs):
     ceiling of a preference run on that objective; evaluations log eval/objective_return beside the env's return"""
 
 
+@dataclass
+class LoopState:
+    """Counters of the training loop that a checkpoint must carry."""
+
+    global_step: int = 0
+    episode_id: int = 0
+    episode_return: float = 0.0
+    episode_length: int = 0
+    last_eval_return: float = float("nan")
+
+
 def main(args: Args, on_evaluation: Callable[[int, float], None] | None = None) -> dict:
     """Train and return the run's summary. `on_evaluation(step, mean_return)`, if given, is called after every
     evaluation (a sweep uses it to report intermediate results and prune hopeless trials: what it raises ends the run)."""
     validate_sac_args(args)
+    validate_resume_args(args)
     objective = apply_objective(args, field="reward_objective")  # sets what it needs, e.g. no unhealthy termination
-    thunk = make_env(args.env_id, args.seed, args.render_mode, args.video_width, args.video_height, args.terminate_when_unhealthy)
     envs = gym.vector.SyncVectorEnv(
-        [thunk if objective is None else ObjectiveReward(thunk, objective)], autoreset_mode=gym.vector.AutoresetMode.NEXT_STEP
+        [make_env(args.env_id, args.seed, args.render_mode, args.video_width, args.video_height, args.terminate_when_unhealthy)],
+        autoreset_mode=gym.vector.AutoresetMode.NEXT_STEP,
     )
-    run_name = args.run_name or default_run_name(args)
+    resume_state = load_checkpoint(Path(args.resume) / "checkpoint.pt") if args.resume else None
+    run_name = args.run_name or (resume_state["run_name"] if resume_state else default_run_name(args))
     run_dir, model_dir, video_dir = Path("runs") / run_name, Path("models") / run_name, Path("videos") / run_name
     writer = start_logging(args, run_name, run_dir)
     announce_run(run_name, args)
@@ -403,70 +434,99 @@ def main(args: Args, on_evaluation: Callable[[int, float], None] | None = None) 
         action_dim = int(np.prod(action_space.shape))
         agent = SACAgent(obs_dim, action_space, args, device)
         rb = ReplayBuffer(min(args.buffer_size, args.total_timesteps), obs_dim, action_dim, physics_state_size(envs.envs[0]))
-
-        progress = progress_bar(args, args.total_timesteps)
-        start_time, episode_id, episode_return, episode_length, last_eval = time.time(), 0, 0.0, 0, float("nan")
+        loop = LoopState()
         recent = RecentMeans(AGENT_MEASURES)  # summary.json's figures of the last updates
 
-        for global_step in range(args.total_timesteps):
-            if global_step < args.learning_starts:
-                actions = rng.uniform(action_space.low, action_space.high, size=(1, action_dim)).astype(np.float32)
-            else:
-                actions = agent.act(obs)
-            physics_state = get_physics_state(envs.envs[0])
-            autoreset = bool(autoreset_pending(envs)[0])
-            next_obs, rewards, terminations, truncations, _ = envs.step(actions)
-            if not autoreset:  # next-step autoreset: the reset step is not a transition
-                rb.add(obs[0], next_obs[0], actions[0], rewards[0], terminations[0], episode_id, physics_state)
-                episode_return, episode_length = episode_return + float(rewards[0]), episode_length + 1
-                if terminations[0] or truncations[0]:
-                    writer.add_scalar("charts/episodic_return", episode_return, global_step)
-                    writer.add_scalar("charts/episodic_length", episode_length, global_step)
+        def checkpoint(folder: Path) -> None:
+            state = {"run_name": run_name, "args": public_settings(args), "loop": asdict(loop), "env": capture_env_state(envs, obs)}
+            state["wall_seconds"] = earlier_wall + time.time() - start_time  # the whole run's, across resumes
+            save_checkpoint(folder, state | training_state({"agent": agent}, rng), rb)
+
+        if resume_state is not None:
+            load_training_state({"agent": agent}, rng, resume_state)
+            loop, obs = LoopState(**resume_state["loop"]), restore_env_state(envs, resume_state["env"])
+            rb.load(Path(args.resume) / "replay_buffer.npz")
+            print(f"resumed {run_name} at step {loop.global_step}")
+
+        progress = progress_bar(args, args.total_timesteps, loop.global_step)
+        start_time, start_step, interrupted = time.time(), loop.global_step, False
+        earlier_wall = earlier_wall_seconds(resume_state)  # training seconds before the checkpoint this run resumes from
+        try:
+            while loop.global_step < args.total_timesteps:
+                step = loop.global_step
+                if step < args.learning_starts:
+                    actions = rng.uniform(action_space.low, action_space.high, size=(1, action_dim)).astype(np.float32)
+                else:
+                    actions = agent.act(obs)
+                physics_state = get_physics_state(envs.envs[0])
+                autoreset = bool(autoreset_pending(envs)[0])
+                next_obs, rewards, terminations, truncations, _ = envs.step(actions)
+                if not autoreset:  # next-step autoreset: the reset step is not a transition
+                    if objective is not None:  # --reward-objective: the objective's reward of this step, not the env's
+                        rewards = step_rewards(objective, obs, actions, physics_state[None])
+                    rb.add(obs[0], next_obs[0], actions[0], rewards[0], terminations[0], loop.episode_id, physics_state)
+                    loop.episode_return, loop.episode_length = loop.episode_return + float(rewards[0]), loop.episode_length + 1
+                    if terminations[0] or truncations[0]:
+                        writer.add_scalar("charts/episodic_return", loop.episode_return, step)
+                        writer.add_scalar("charts/episodic_length", loop.episode_length, step)
+                        if progress is not None:
+                            progress.set_postfix(ret=f"{loop.episode_return:.0f}", eval=f"{loop.last_eval_return:.0f}", refresh=False)
+                        loop.episode_id, loop.episode_return, loop.episode_length = loop.episode_id + 1, 0.0, 0
+                obs = next_obs
+                loop.global_step += 1
+
+                if step >= args.learning_starts:
+                    idx = rb.sample_indices(args.batch_size, rng)
+                    stats = agent.update(
+                        torch.as_tensor(rb.obs[idx], device=device),
+                        torch.as_tensor(rb.actions[idx], device=device),
+                        torch.as_tensor(rb.true_rewards[idx], device=device),
+                        torch.as_tensor(rb.next_obs[idx], device=device),
+                        torch.as_tensor(rb.terminated[idx], device=device),
+                        step,
+                    )
+                    if step % 100 == 0:
+                        for name, value in stats.items():
+                            writer.add_scalar(f"losses/{name}", float(value), step)
+                        recent.add(stats)
+                if step % 100 == 0:
+                    writer.add_scalar("charts/SPS", int((loop.global_step - start_step) / (time.time() - start_time)), step)
                     if progress is not None:
-                        progress.set_postfix(ret=f"{episode_return:.0f}", eval=f"{last_eval:.0f}", refresh=False)
-                    episode_id, episode_return, episode_length = episode_id + 1, 0.0, 0
-            obs = next_obs
+                        progress.update(loop.global_step - progress.n)
 
-            if global_step >= args.learning_starts:
-                idx = rb.sample_indices(args.batch_size, rng)
-                stats = agent.update(
-                    torch.as_tensor(rb.obs[idx], device=device),
-                    torch.as_tensor(rb.actions[idx], device=device),
-                    torch.as_tensor(rb.true_rewards[idx], device=device),
-                    torch.as_tensor(rb.next_obs[idx], device=device),
-                    torch.as_tensor(rb.terminated[idx], device=device),
-                    global_step,
-                )
-                if global_step % 100 == 0:
-                    for name, value in stats.items():
-                        writer.add_scalar(f"losses/{name}", float(value), global_step)
-                    recent.add(stats)
-            if global_step % 100 == 0:
-                writer.add_scalar("charts/SPS", int((global_step + 1) / (time.time() - start_time)), global_step)
-                if progress is not None:
-                    progress.update(global_step + 1 - progress.n)
-            if args.evaluation_frequency and (global_step + 1) % args.evaluation_frequency == 0 and global_step + 1 < args.total_timesteps:
-                last_eval = evaluate_and_log(agent.actor, args, writer, video_dir, device, global_step + 1, on_evaluation)
+                before_end = loop.global_step < args.total_timesteps
+                if args.evaluation_frequency and loop.global_step % args.evaluation_frequency == 0 and before_end:
+                    loop.last_eval_return = evaluate_and_log(agent.actor, args, writer, video_dir, device, loop.global_step, on_evaluation)
+                if args.checkpoint_frequency and loop.global_step % args.checkpoint_frequency == 0 and before_end:
+                    checkpoint(model_dir / "latest")
+        except KeyboardInterrupt:
+            interrupted = True
+            print(f"\ninterrupted at step {loop.global_step}: saving models/{run_name}/latest")
+        finally:
+            wall = time.time() - start_time  # training time: periodic evaluations included, the final one not
+            checkpoint(model_dir / "latest")
+            if progress is not None:
+                progress.update(loop.global_step - progress.n)
+                progress.close()
 
-        if progress is not None:
-            progress.update(args.total_timesteps - progress.n)
-            progress.close()
-        wall = time.time() - start_time
-        last_eval = evaluate_and_log(agent.actor, args, writer, video_dir, device, args.total_timesteps, on_evaluation)
-        save_checkpoint(model_dir / "latest", {"run_name": run_name, "args": asdict(args), "agent": agent.state_dict()}, rb)
+        if not interrupted:
+            loop.last_eval_return = evaluate_and_log(agent.actor, args, writer, video_dir, device, loop.global_step, on_evaluation)
         summary = {
             "run_name": run_name,
             "env_id": args.env_id,
-            "global_step": args.total_timesteps,
-            "final_eval_return": float(last_eval),
-            **success_summary(last_eval),  # final_success_rate, on envs that report success (Meta-World)
-            "wall_seconds": wall,
-            "sps": args.total_timesteps / wall,
+            "global_step": loop.global_step,
+            "final_eval_return": float(loop.last_eval_return),
+            **success_summary(loop.last_eval_return),  # final_success_rate, on envs that report success (Meta-World)
+            "wall_seconds": earlier_wall + wall,  # the whole run's, across resumes
+            "sps": (loop.global_step - start_step) / wall,  # this process's
+            "interrupted": interrupted,
             **recent.summary(),  # the last updates' Q-value, policy entropy, alpha
             "true_reward_mean": float(rb.true_rewards[: rb.size].mean()),  # the scale alpha weighs the entropy against
             "true_reward_std": float(rb.true_rewards[: rb.size].std()),
         }
         write_summary(run_dir, summary)
+        if interrupted:
+            raise RunInterrupted(model_dir / "latest")  # the command line says how to resume from it
         return summary
     finally:
         envs.close()

@@ -380,7 +380,7 @@ class FrozenRewardArgs:
 @dataclass
 class Args(FrozenRewardArgs, CheckpointArgs, FeedbackArgs, PreferenceArgs, SACArgs, PresetArgs):
     """PEBBLE's settings: SAC's, preference learning's, the teacher's (cleanrlhf_utils.feedback.FeedbackArgs),
-    checkpoints' (cleanrlhf_utils.runs.CheckpointArgs), the --preset they start from (cleanrlhf_utils.presets) and a
+    checkpoints' (cleanrlhf_utils.checkpoints.CheckpointArgs), the --preset they start from (cleanrlhf_utils.presets) and a
     frozen reward's (FrozenRewardArgs)."""
 
 

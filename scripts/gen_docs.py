@@ -45,8 +45,12 @@ SCRIPTS = {
 # Flag tables from the Args dataclasses
 # ------------------------------------------------------------------------------------------------------------------
 class Field:
-    def __init__(self, name: str, annotation: str, default: str | None, doc: str, owner: str):
-        self.name, self.annotation, self.default, self.doc, self.owner = name, annotation, default, doc, owner
+    """A dataclass field; `owner` is the class that defines it first, in `owner_path` (a base may live in another file
+    than the class that inherits it, and be imported only there)."""
+
+    def __init__(self, name: str, annotation: str, default: str | None, doc: str, owner: str, owner_path: Path):
+        self.name, self.annotation, self.default, self.doc = name, annotation, default, doc
+        self.owner, self.owner_path = owner, owner_path
 
 
 def module_file(repo: Path, importer: Path, module: str, level: int) -> Path | None:
@@ -107,9 +111,9 @@ def class_fields(repo: Path, path: Path, node: ast.ClassDef, cache: dict) -> lis
             doc = " ".join(inspect.cleandoc(following.value.value).split())
         if name in fields:
             old = fields[name]
-            fields[name] = Field(name, annotation, default, doc or old.doc, old.owner)
+            fields[name] = Field(name, annotation, default, doc or old.doc, old.owner, old.owner_path)
         else:
-            fields[name] = Field(name, annotation, default, doc, node.name)
+            fields[name] = Field(name, annotation, default, doc, node.name, path)
     return list(fields.values())
 
 
@@ -148,10 +152,9 @@ def flags_page(repo: Path, script: str, source: str, cache: dict) -> str:
     path = repo / source
     _, node = find_class(repo, path, "Args", cache)
     fields = class_fields(repo, path, node, cache)
-    owners: list[str] = []
+    owners: dict[str, Path] = {}
     for field in fields:
-        if field.owner not in owners:
-            owners.append(field.owner)
+        owners.setdefault(field.owner, field.owner_path)
     lines = [GENERATED.format(source=f"the docstrings of `{source}`'s Args"), f"# Flags of `{source}`\n"]
     intro = ast.get_docstring(node)
     if intro:
@@ -160,11 +163,11 @@ def flags_page(repo: Path, script: str, source: str, cache: dict) -> str:
         f"Every flag of `python {source}`, in the order `--help` lists them. Booleans take `--name` or `--no-name`; "
         "a list takes its values after the flag, separated by spaces.\n"
     )
-    for owner in owners:
+    for owner, owner_path in owners.items():
         own = [field for field in fields if field.owner == owner]
         if owner != "Args" or len(owners) > 1:
             lines.append(f"## {owner}\n")
-            owner_path, owner_node = find_class(repo, path, owner, cache)
+            _, owner_node = find_class(repo, owner_path, owner, cache)
             doc = ast.get_docstring(owner_node)
             if doc and owner != "Args":
                 lines.append(" ".join(doc.split()) + f" (`{owner_path.relative_to(repo)}`)\n")

@@ -163,6 +163,23 @@ def test_main_fails_before_writing_anything(chdir_tmp, overrides, message):
     assert list(chdir_tmp.iterdir()) == []
 
 
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"resume": "no_such_run/latest"}, "--resume no_such_run/latest: no checkpoint.pt in that folder"),
+        ({"checkpoint_frequency": -1}, "--checkpoint-frequency must be >= 0, got -1"),
+    ],
+    ids=["missing-resume", "negative-frequency"],
+)
+def test_sac_baseline_refuses_bad_checkpoint_flags_before_writing(chdir_tmp, overrides, message):
+    import sac
+
+    with pytest.raises(sac_rlhf.ConfigError) as error:
+        sac.main(sac.Args(progress_bar=False, cuda=False, total_timesteps=10, **overrides))
+    assert str(error.value) == message
+    assert list(chdir_tmp.iterdir()) == []
+
+
 # ----------------------------------------------------------------------------------------
 # What tyro itself rejects (an unknown flag, an invalid choice, a value of the wrong type, a missing argument): one
 # `error:` line naming the bad value and what is allowed, in every script that parses its flags with tyro

@@ -193,6 +193,73 @@ def test_qpa_run_trains_on_recent_episodes_with_cropped_copies(chdir_tmp):
     assert plain_steps == [3, 6] and qpa_steps == [12, 22]  # 12 then 22 labels in batches of 4, each with 3 copies
 
 
+def sac_baseline_args(run_name: str, **overrides):
+    import sac
+
+    args = sac.Args(
+        run_name=run_name, total_timesteps=600, learning_starts=100, batch_size=64, actor_hidden_dim=64,
+        critic_hidden_dim=64, evaluation_frequency=0, evaluation_episodes=1, checkpoint_frequency=0, progress_bar=False,
+    )  # fmt: skip
+    return replace(args, **overrides)
+
+
+def assert_same_sac_training(a: dict, b: dict) -> None:
+    for part in ("actor", "qf", "qf_target"):
+        for name, value in a["checkpoint"]["agent"][part].items():
+            assert torch.equal(value, b["checkpoint"]["agent"][part][name]), f"{part}.{name} differs"
+    assert torch.equal(a["checkpoint"]["agent"]["log_alpha"], b["checkpoint"]["agent"]["log_alpha"])
+    for name in ("obs", "actions", "true_rewards", "terminated", "episode_ids", "physics_states"):
+        np.testing.assert_array_equal(a["replay"][name], b["replay"][name], err_msg=name)
+    for key in ("global_step", "episode_id", "episode_return", "episode_length"):
+        assert a["checkpoint"]["loop"][key] == b["checkpoint"]["loop"][key], key
+
+
+def test_sac_baseline_resumes_exactly(chdir_tmp):
+    """sac.py stopped at 350 steps (mid-episode) and resumed to 600 is the run that never stopped: networks,
+    temperature, buffer and counters. The ceiling of a 300k-step backflip (sac.py --reward-objective) takes longer
+    than one sitting, so it must continue where it stopped, its objective's reward included."""
+    import sac
+
+    objective = "hopper-backflip"
+    sac.main(sac_baseline_args("whole", reward_objective=objective))
+    first = sac.main(sac_baseline_args("part", reward_objective=objective, total_timesteps=350))
+    assert first["global_step"] == 350 and not first["interrupted"]
+    summary = sac.main(sac_baseline_args("part", reward_objective=objective, resume="models/part/latest"))
+    assert summary["global_step"] == 600 and summary["wall_seconds"] > first["wall_seconds"]
+    assert_same_sac_training(final_state("whole"), final_state("part"))
+
+
+def test_sac_baseline_saves_at_ctrl_c_and_resumes(chdir_tmp, monkeypatch):
+    """Ctrl-C (or SLURM's SIGTERM, which the command line turns into it) in the middle of sac.py's training saves the
+    run and raises the checkpoint to resume from; resumed, it runs to its end, and periodic checkpoints are written."""
+    import gymnasium as gym
+
+    import sac
+    from cleanrlhf_utils.cli import RunInterrupted
+
+    calls, periodic, real_step = [0], [], gym.vector.SyncVectorEnv.step
+
+    def step(self, actions):
+        calls[0] += 1
+        if calls[0] == 300:  # the periodic checkpoint of step 200 is there before any Ctrl-C
+            periodic.append(torch.load("models/cut/latest/checkpoint.pt", weights_only=False)["loop"]["global_step"])
+        if calls[0] == 450:
+            raise KeyboardInterrupt
+        return real_step(self, actions)
+
+    monkeypatch.setattr(gym.vector.SyncVectorEnv, "step", step)
+    with pytest.raises(RunInterrupted) as stopped:
+        sac.main(sac_baseline_args("cut", checkpoint_frequency=200))
+    assert periodic == [200]
+    assert stopped.value.checkpoint == Path("models/cut/latest")
+    cut = json.loads(Path("runs/cut/summary.json").read_text())
+    assert cut["interrupted"] and cut["global_step"] == 449
+    assert torch.load("models/cut/latest/checkpoint.pt", weights_only=False)["loop"]["global_step"] == 449
+    monkeypatch.setattr(gym.vector.SyncVectorEnv, "step", real_step)
+    summary = sac.main(sac_baseline_args("cut", checkpoint_frequency=200, resume="models/cut/latest"))
+    assert summary["global_step"] == 600 and not summary["interrupted"]
+
+
 def test_a_runs_first_steps_do_not_depend_on_how_many_follow(chdir_tmp):
     """bench/feedback_efficiency.py reads a longer run at a shorter invocation's last evaluation (--baseline-from,
     --oracle-from): that is only sound if a run of N steps and the first N steps of a longer one are the same run

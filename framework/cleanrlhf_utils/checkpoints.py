@@ -12,14 +12,20 @@ from .errors import need
 
 
 @dataclass
-class CheckpointArgs:
-    """Checkpoints of the preference-learning scripts: periodic, resumable, and the reusable end of exploration."""
+class ResumeArgs:
+    """Periodic checkpoints and an exact resume from them (sac_rlhf.py, pref_ppo.py and the SAC baseline sac.py)."""
 
     checkpoint_frequency: int = 100_000
     """environment steps between checkpoints to models/<run>/latest (PrefPPO: checked after each iteration; 0: only
     at the end)"""
     resume: str | None = None
     """continue a run from a checkpoint folder (models/<run>/latest)"""
+
+
+@dataclass
+class CheckpointArgs(ResumeArgs):
+    """Checkpoints of the preference-learning scripts: ResumeArgs' and the reusable end of exploration."""
+
     exploration_load: bool = False
     """skip exploration: load the agent and replay buffer saved after a previous exploration"""
     path_to_replay_buffer: str | None = None
@@ -28,15 +34,20 @@ class CheckpointArgs:
     """model file of an exploration checkpoint (models/<run>/<explore_steps>/checkpoint.pt)"""
 
 
+def validate_resume_args(args: ResumeArgs) -> None:
+    """--checkpoint-frequency and --resume."""
+    need(args.checkpoint_frequency >= 0, f"--checkpoint-frequency must be >= 0, got {args.checkpoint_frequency}")
+    if args.resume is not None:
+        need((Path(args.resume) / "checkpoint.pt").is_file(), f"--resume {args.resume}: no checkpoint.pt in that folder")
+
+
 def validate_checkpoint_args(args: CheckpointArgs) -> None:
     """--checkpoint-frequency, --resume and --exploration-load of the preference-learning scripts."""
-    need(args.checkpoint_frequency >= 0, f"--checkpoint-frequency must be >= 0, got {args.checkpoint_frequency}")
+    validate_resume_args(args)
     if args.exploration_load:
         for flag, path in (("--path-to-replay-buffer", args.path_to_replay_buffer), ("--path-to-model", args.path_to_model)):
             need(path is not None, f"--exploration-load needs {flag}")
             need(Path(path).is_file(), f"{flag} {path} does not exist")
-    if args.resume is not None:
-        need((Path(args.resume) / "checkpoint.pt").is_file(), f"--resume {args.resume}: no checkpoint.pt in that folder")
 
 
 def save_checkpoint(folder: Path, state: dict, rb=None) -> None:

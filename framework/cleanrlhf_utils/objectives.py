@@ -309,34 +309,3 @@ def episode_measures(objective: Objective, obs: Array, actions: Array, states: A
     ret = float(np.asarray(objective.reward(obs, actions, states))[0, :-1].sum())
     success = None if objective.success is None else float(np.asarray(objective.success(obs, actions, states))[0])
     return ret, success
-
-
-class ObjectiveReward:
-    """A thunk's env with the objective's per-step reward instead of its own (kept in info["env_reward"]): SAC trained
-    on it (sac.py --reward-objective) is the ceiling a preference run on that objective is measured against."""
-
-    def __init__(self, thunk: Callable, objective: Objective):
-        self.thunk, self.objective = thunk, objective
-
-    def __call__(self):
-        import gymnasium as gym
-
-        from .envs import get_physics_state
-
-        objective = self.objective
-
-        class Wrapper(gym.Wrapper):
-            def reset(self, **kwargs):
-                obs, info = self.env.reset(**kwargs)
-                self.last_obs = obs
-                return obs, info
-
-            def step(self, action):
-                state = get_physics_state(self.env)[None]
-                before = np.asarray(self.last_obs, dtype=np.float64)[None]
-                obs, reward, terminated, truncated, info = self.env.step(action)
-                self.last_obs = obs
-                value = float(step_rewards(objective, before, np.asarray(action, dtype=np.float64).reshape(1, -1), state)[0])
-                return obs, value, terminated, truncated, info | {"env_reward": reward}
-
-        return Wrapper(self.thunk())
