@@ -114,7 +114,7 @@ def script_module(script: str):
 
 
 # Settings that do not change what a run computes: a run started under another name or with a progress bar is the same run.
-NOT_THE_RUN = ("run_name", "progress_bar")
+NOT_THE_RUN = ("run_name", "progress_bar", "checkpoint_frequency", "resume")  # settings that leave a run's numbers as they are
 
 
 def run_settings(script: str, flags: list[str]) -> tuple[dict, set[str]]:
@@ -168,6 +168,26 @@ def earlier_run(workdir: Path, script: str, flags: list[str], finished: bool) ->
         if agrees(wanted, given, recorded):
             return run
     return None
+
+
+def resumable_run(workdir: Path, script: str, flags: list[str]) -> Path | None:
+    """The run directory in `workdir`/runs of `script` started with `flags` that stopped before its end (killed, or
+    Ctrl-C) and got furthest, by its last checkpoint (`workdir`/models/<run>/latest): --resume continues it exactly."""
+    import torch
+
+    wanted, given = run_settings(script, flags)
+    furthest, furthest_step = None, -1
+    for run, recorded in recorded_runs(workdir):
+        summary = run / "summary.json"
+        checkpoint = workdir / "models" / run.name / "latest" / "checkpoint.pt"
+        if summary.exists() and not json.loads(summary.read_text()).get("interrupted"):
+            continue  # finished
+        if not checkpoint.is_file() or not agrees(wanted, given, recorded):
+            continue
+        step = torch.load(checkpoint, map_location="cpu", weights_only=False)["loop"]["global_step"]
+        if step > furthest_step:
+            furthest, furthest_step = run, step
+    return furthest
 
 
 def longer_runs(workdir: Path, script: str, flags: list[str]) -> list[Path]:

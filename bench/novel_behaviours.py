@@ -23,7 +23,7 @@ import statistics
 import time
 from pathlib import Path
 
-from common import REPO, earlier_run, machine_info, print_table, read_summary, run_pool, start_script, write_json
+from common import REPO, earlier_run, machine_info, print_table, read_summary, resumable_run, run_pool, start_script, write_json
 from feedback_efficiency import eval_curve, last_evaluations_mean
 
 WINDMILL = "cleanrlhf_utils.example_envs.windmill:Windmill-v0"
@@ -85,11 +85,18 @@ def last_evaluations(workdir: Path, run_name: str) -> dict:
 
 
 def start_unless_finished(args, jobs: list, script: str, flags: list[str], run_name: str) -> Path:
-    """The run directory of `script` with `flags`: with --reuse-finished one that finished in --workdir, else a new run
-    `run_name`, added to `jobs`."""
+    """The run directory of `script` with `flags`: with --reuse-finished one that finished in --workdir; with
+    --resume-unfinished one that stopped before its end, added to `jobs` to continue from its last checkpoint; else a
+    new run `run_name`, added to `jobs`."""
     if args.reuse_finished and (finished := earlier_run(args.workdir, script, flags, finished=True)) is not None:
         print(f"reusing {finished.name}: finished with the same flags")
         return finished
+    if args.resume_unfinished and (stopped := resumable_run(args.workdir, script, flags)) is not None:
+        print(f"resuming {stopped.name}: stopped before its end, started with the same flags")
+        name_at = flags.index("--run-name") + 1
+        resumed = [*flags[:name_at], stopped.name, *flags[name_at + 1 :], "--resume", f"models/{stopped.name}/latest"]
+        jobs.append((script, resumed, stopped.name))
+        return stopped
     jobs.append((script, flags, run_name))
     return args.workdir / "runs" / run_name
 
@@ -117,6 +124,19 @@ def main() -> None:
         help="runs in --workdir that finished with exactly the flags this invocation would start them with (an "
         "invocation cut off after its runs ended, or one given another seed) are read, not run again",
     )
+    parser.add_argument(
+        "--resume-unfinished",
+        action="store_true",
+        help="runs in --workdir that were started with the same flags and stopped before their end (the machine or the "
+        "session went away, Ctrl-C) continue from their last checkpoint instead of starting again: a 300k-step backflip "
+        "and its ceiling take longer than one sitting here",
+    )
+    parser.add_argument(
+        "--checkpoint-frequency",
+        type=int,
+        default=10_000,
+        help="steps between each run's checkpoints (what --resume-unfinished continues from; they change no result)",
+    )
     parser.add_argument("--parallel", type=int, default=2)
     parser.add_argument("--workdir", type=Path, default=REPO / "bench" / "workdir" / "novel_behaviours")
     parser.add_argument("--output", type=Path, default=REPO / "bench" / "results" / "novel_behaviours_windmill.json")
@@ -137,8 +157,8 @@ def main() -> None:
                 "--learning-starts", str(min(1000, args.explore_steps)), "--teacher-feedback-total-queries", str(args.labels),
                 "--teacher-feedback-num-queries-per-session", str(args.queries_per_session),
                 "--teacher-feedback-frequency", str(args.feedback_frequency), "--evaluation-frequency", str(args.evaluation_frequency),
-                "--evaluation-episodes", str(EVALUATION_EPISODES), "--checkpoint-frequency", "0", "--torch-threads", "1",
-                "--no-cuda", *shlex.split(args.preference_flags),
+                "--evaluation-episodes", str(EVALUATION_EPISODES), "--checkpoint-frequency", str(args.checkpoint_frequency),
+                "--torch-threads", "1", "--no-cuda", *shlex.split(args.preference_flags),
             ]  # fmt: skip
             runs.append((objective_name, seed, start_unless_finished(args, jobs, "sac_rlhf.py", flags, run_name)))
             if args.behaviour == "windmill":
@@ -147,7 +167,7 @@ def main() -> None:
                 "--env-id", env_id, "--reward-objective", objective_name, "--seed", str(seed),
                 "--run-name", f"{run_name}__sac", "--total-timesteps", str(args.steps),
                 "--evaluation-frequency", str(args.evaluation_frequency), "--evaluation-episodes", str(EVALUATION_EPISODES),
-                "--torch-threads", "1", "--no-cuda",
+                "--checkpoint-frequency", str(args.checkpoint_frequency), "--torch-threads", "1", "--no-cuda",
             ]  # fmt: skip
             if args.ceiling_from is not None:
                 ceiling_run = earlier_run(args.ceiling_from, "sac.py", ceiling_flags, finished=False)
@@ -160,7 +180,9 @@ def main() -> None:
     started = time.time()
     run_pool(
         [
-            lambda script=script, flags=flags, name=name: start_script(script, flags, args.workdir, log=args.workdir / f"{name}.log")
+            lambda script=script, flags=flags, name=name: start_script(
+                script, flags, args.workdir, log=args.workdir / f"{name}_{stamp}.log"
+            )
             for script, flags, name in jobs
         ],
         [name for *_, name in jobs],
@@ -220,6 +242,7 @@ def main() -> None:
         + ([f"--preference-flags={shlex.quote(args.preference_flags)}"] if args.preference_flags else [])
         + ([f"--ceiling-from {relative(args.ceiling_from)}"] if args.ceiling_from else [])
         + (["--reuse-finished"] if args.reuse_finished else [])
+        + (["--resume-unfinished"] if args.resume_unfinished else [])
         + [f"--output {relative(output)}"]
     )
     write_json(

@@ -102,3 +102,50 @@ def test_only_a_run_that_ran_to_its_end_is_reused(tmp_path):
     assert earlier_run(tmp_path, "sac.py", flags, finished=False).name == "a_running"  # --ceiling-from: running is enough
     (tmp_path / "runs" / "c_finished" / "summary.json").write_text(json.dumps({"interrupted": True}))
     assert earlier_run(tmp_path, "sac.py", flags, finished=True) is None
+
+
+def test_an_unfinished_run_is_resumed_from_its_furthest_checkpoint(tmp_path):
+    """--resume-unfinished: a run with the same flags that stopped before its end (the session went away) continues
+    from its last checkpoint under its own name; the furthest of two such runs is taken, a finished one is not, and a
+    run without a checkpoint, or of other flags, is not resumed."""
+    import argparse
+
+    import torch
+
+    sys.path.insert(0, str(REPO / "bench"))
+    from novel_behaviours import start_unless_finished
+
+    def make_run(name: str, seed: int, summary: dict | None, checkpoint_step: int | None) -> None:
+        (tmp_path / "runs" / name).mkdir(parents=True)
+        (tmp_path / "runs" / name / "args.json").write_text(json.dumps({"exp_name": "sac", "seed": seed, "checkpoint_frequency": 100}))
+        if summary is not None:
+            (tmp_path / "runs" / name / "summary.json").write_text(json.dumps(summary))
+        if checkpoint_step is not None:
+            (tmp_path / "models" / name / "latest").mkdir(parents=True)
+            torch.save({"loop": {"global_step": checkpoint_step}}, tmp_path / "models" / name / "latest" / "checkpoint.pt")
+
+    make_run("a_killed_early", 2, None, 10_000)
+    make_run("b_killed_later", 2, None, 40_000)
+    make_run("c_interrupted", 2, {"interrupted": True}, 30_000)
+    make_run("d_no_checkpoint", 2, None, None)
+    make_run("e_other_seed", 3, None, 90_000)
+    make_run("f_finished", 2, {"interrupted": False}, 300_000)
+    flags = ["--seed", "2", "--run-name", "new", "--checkpoint-frequency", "10000"]
+    settings = argparse.Namespace(workdir=tmp_path, reuse_finished=False, resume_unfinished=True)
+    jobs = []
+    assert start_unless_finished(settings, jobs, "sac.py", flags, "new") == tmp_path / "runs" / "b_killed_later"
+    assert jobs == [("sac.py", ["--seed", "2", "--run-name", "b_killed_later", "--checkpoint-frequency", "10000",
+                                "--resume", "models/b_killed_later/latest"], "b_killed_later")]  # fmt: skip
+    jobs = []  # --reuse-finished first: a finished run is read, nothing starts
+    assert (
+        start_unless_finished(argparse.Namespace(**vars(settings) | {"reuse_finished": True}), jobs, "sac.py", flags, "new").name
+        == "f_finished"
+    )
+    assert jobs == []
+    jobs = []  # without the flag, or for a seed none stopped at: a new run
+    assert (
+        start_unless_finished(argparse.Namespace(**vars(settings) | {"resume_unfinished": False}), jobs, "sac.py", flags, "new").name
+        == "new"
+    )
+    assert start_unless_finished(settings, jobs, "sac.py", ["--seed", "4", *flags[2:]], "new4").name == "new4"
+    assert [name for *_, name in jobs] == ["new", "new4"]
