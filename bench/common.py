@@ -162,12 +162,17 @@ def earlier_run(workdir: Path, script: str, flags: list[str], finished: bool) ->
     (a summary.json that is not an interrupted run's)."""
     wanted, given = run_settings(script, flags)
     for run, recorded in recorded_runs(workdir):
-        summary = run / "summary.json"
-        if finished and (not summary.exists() or json.loads(summary.read_text()).get("interrupted")):
+        if finished and not ran_to_its_end(run):
             continue
         if agrees(wanted, given, recorded):
             return run
     return None
+
+
+def ran_to_its_end(run: Path) -> bool:
+    """Whether the run directory has a summary.json that is not an interrupted run's."""
+    summary = run / "summary.json"
+    return summary.exists() and not json.loads(summary.read_text()).get("interrupted")
 
 
 def resumable_run(workdir: Path, script: str, flags: list[str]) -> Path | None:
@@ -178,11 +183,8 @@ def resumable_run(workdir: Path, script: str, flags: list[str]) -> Path | None:
     wanted, given = run_settings(script, flags)
     furthest, furthest_step = None, -1
     for run, recorded in recorded_runs(workdir):
-        summary = run / "summary.json"
         checkpoint = workdir / "models" / run.name / "latest" / "checkpoint.pt"
-        if summary.exists() and not json.loads(summary.read_text()).get("interrupted"):
-            continue  # finished
-        if not checkpoint.is_file() or not agrees(wanted, given, recorded):
+        if ran_to_its_end(run) or not checkpoint.is_file() or not agrees(wanted, given, recorded):
             continue
         step = torch.load(checkpoint, map_location="cpu", weights_only=False)["loop"]["global_step"]
         if step > furthest_step:
