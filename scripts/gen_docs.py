@@ -285,8 +285,9 @@ def feedback_table(rows: list[dict], ppo: bool) -> list[str]:
 
 
 def noise_table(results: list[dict], repo: Path = REPO) -> list[str]:
-    """A noisy teacher's cost per seed: each file's runs (one defence each) against the oracle teacher's runs of the same
-    setting at the same step (--oracle-from), and a median row per defence. A rime run whose flip threshold is not the
+    """A noisy teacher's cost per seed: each run (one defence per results file) against the oracle teacher's run of the
+    same setting at the same step (--oracle-from), in one block per defence, and a median row per defence over all its
+    seeds: files of one defence (seeds run at different times) pool. A rime run whose flip threshold is not the
     scripts' default (e.g. drop-only) is named with it."""
     flip_default = args_default(repo, "sac_rlhf", "rime_flip_tau")
     lines = [
@@ -294,10 +295,14 @@ def noise_table(results: list[dict], repo: Path = REPO) -> list[str]:
         "| held-out accuracy | reward correlation |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
+    by_defence: dict[str, list[dict]] = {}
     for result in results:
-        defence, rows = result["settings"].get("robust_labels", "none"), result["rows"]
+        defence = result["settings"].get("robust_labels", "none")
         flip_tau = result["settings"].get("rime_flip_tau", flip_default)  # older results ran before the flag: the default
         defence += f" (flip τ {flip_tau:g})" if defence == "rime" and flip_tau != flip_default else ""
+        by_defence.setdefault(defence, []).append(result)
+    for defence, pooled in by_defence.items():
+        rows = sorted((row for result in pooled for row in result["rows"]), key=lambda row: row["seed"])
         for row in rows:
             lines.append(
                 f"| {defence} | {row['seed']} | {number(row['pebble_return'])} | {number(row.get('oracle_return'))} "
@@ -307,12 +312,33 @@ def noise_table(results: list[dict], repo: Path = REPO) -> list[str]:
             )
         med = {name: median([row.get(name) for row in rows]) for name in ("pebble_return", "oracle_return", "oracle_ratio")}
         med |= {name: median([row.get(name) for row in rows]) for name in ("pebble_last_return", "oracle_last_return", "oracle_last_ratio")}
-        ratio, last_ratio = (ratio_with_spread(result, name, med[name]) for name in ("oracle_ratio", "oracle_last_ratio"))
+        # The seeds' interquartile range where every pooled file was written with it (feedback_efficiency.py's `spread`)
+        with_spread = all("spread" in result for result in pooled)
+        ratio, last_ratio = (
+            ratio_with_spread({"spread": {name: quartiles([row.get(name) for row in rows])}} if with_spread else {}, name, med[name])
+            for name in ("oracle_ratio", "oracle_last_ratio")
+        )
         lines.append(
             f"| **{defence}, median** | | {number(med['pebble_return'])} | {number(med['oracle_return'])} "
             f"| {ratio} | {number(med['pebble_last_return'])} vs {number(med['oracle_last_return'])} | {last_ratio} | | |"
         )
     return lines
+
+
+def quartiles(values: list) -> dict:
+    """{median, q25, q75} of the values present, interpolated linearly as bench/common.py's `spread` (numpy's default
+    percentile), so a single file's pooled range is the one it recorded."""
+    present = sorted(value for value in values if value is not None)
+    if not present:
+        return {"median": None, "q25": None, "q75": None}
+
+    def at(fraction: float) -> float:
+        position = fraction * (len(present) - 1)
+        low = int(position)
+        high = min(low + 1, len(present) - 1)
+        return present[low] + (present[high] - present[low]) * (position - low)
+
+    return {"median": at(0.5), "q25": at(0.25), "q75": at(0.75)}
 
 
 def ratio_with_spread(result: dict, name: str, value: float | None) -> str:

@@ -321,6 +321,28 @@ def test_a_noise_table_shows_each_defence_against_the_oracle_teacher_at_the_same
     assert lines[7].startswith("| rime (flip τ 1e-40) | 1 | 900 |") and lines[10].startswith("| **rime (flip τ 1e-40), median** |")
 
 
+def test_a_noise_table_pools_the_files_of_one_defence_into_one_median_over_all_their_seeds():
+    """Seeds of one defence run at different times (seeds 1-2, later seed 3) are one block: its rows by seed and one
+    median row over the three, with their interquartile range when both files recorded a spread."""
+
+    def result(seeds: list[int], ratios: list[float]) -> dict:
+        rows = [
+            {"seed": seed, "pebble_return": 1000 * ratio, "oracle_return": 1000.0, "oracle_ratio": ratio,
+             "pebble_last_return": 800 * ratio, "oracle_last_return": 800.0, "oracle_last_ratio": ratio}
+            for seed, ratio in zip(seeds, ratios)
+        ]  # fmt: skip
+        return {"settings": {"robust_labels": "none"}, "rows": rows, "spread": {}}
+
+    results = {"late": result([3], [0.2]), "early": result([1, 2], [0.6, 0.4])}
+    lines = gen_docs.noise_table([results["early"], results["late"]])
+    assert [line.split(" | ")[:2] for line in lines[2:5]] == [["| none", "1"], ["| none", "2"], ["| none", "3"]]
+    assert lines[5] == "| **none, median** | | 400 | 1000 | **0.40** [0.30, 0.50] | 320 vs 800 | **0.40** [0.30, 0.50] | | |"
+    assert len(lines) == 6
+    # Without a recorded spread in one of them (an older file), the median stands alone.
+    del results["late"]["spread"]
+    assert gen_docs.noise_table([results["early"], results["late"]])[5].split(" | ")[3] == "**0.40**"
+
+
 def test_a_noise_table_takes_rimes_default_flip_threshold_from_the_script(tmp_path):
     """Which rime runs are named by their flip threshold follows sac_rlhf.py's Args default, read from its source: with a
     script whose default is 0.01, a 0.01 run is plain `rime` and a 0.001 run is named apart."""
