@@ -312,10 +312,11 @@ def noise_table(results: list[dict], repo: Path = REPO) -> list[str]:
             )
         med = {name: median([row.get(name) for row in rows]) for name in ("pebble_return", "oracle_return", "oracle_ratio")}
         med |= {name: median([row.get(name) for row in rows]) for name in ("pebble_last_return", "oracle_last_return", "oracle_last_ratio")}
-        # The seeds' interquartile range where every pooled file was written with it (feedback_efficiency.py's `spread`)
+        # With the seeds' interquartile range where every pooled file recorded one (feedback_efficiency.py's `spread`);
+        # older files did not, and their medians stand alone as before.
         with_spread = all("spread" in result for result in pooled)
         ratio, last_ratio = (
-            ratio_with_spread({"spread": {name: quartiles([row.get(name) for row in rows])}} if with_spread else {}, name, med[name])
+            bold_median(med[name], [row.get(name) for row in rows] if with_spread else None)
             for name in ("oracle_ratio", "oracle_last_ratio")
         )
         lines.append(
@@ -325,28 +326,15 @@ def noise_table(results: list[dict], repo: Path = REPO) -> list[str]:
     return lines
 
 
-def quartiles(values: list) -> dict:
-    """{median, q25, q75} of the values present, interpolated linearly as bench/common.py's `spread` (numpy's default
-    percentile), so a single file's pooled range is the one it recorded."""
-    present = sorted(value for value in values if value is not None)
-    if not present:
-        return {"median": None, "q25": None, "q75": None}
-
-    def at(fraction: float) -> float:
-        position = fraction * (len(present) - 1)
-        low = int(position)
-        high = min(low + 1, len(present) - 1)
-        return present[low] + (present[high] - present[low]) * (position - low)
-
-    return {"median": at(0.5), "q25": at(0.25), "q75": at(0.75)}
-
-
-def ratio_with_spread(result: dict, name: str, value: float | None) -> str:
-    """A median ratio in bold, with the seeds' interquartile range where the result recorded it (`spread`, since
-    feedback_efficiency.py wrote it)."""
-    entry = result.get("spread", {}).get(name)
+def bold_median(value: float | None, values: list | None = None) -> str:
+    """A median ratio in bold, with the interquartile range of `values` when given: linear interpolation between the
+    seeds (statistics' inclusive method, numpy's default percentile, as bench/common.py's `spread` records it)."""
     bold = f"**{number(value, 2)}**"
-    return bold if not entry or entry.get("median") is None else f"{bold} [{number(entry['q25'], 2)}, {number(entry['q75'], 2)}]"
+    present = [item for item in values or () if item is not None]
+    if value is None or not present:
+        return bold
+    q25, _, q75 = statistics.quantiles(present, n=4, method="inclusive") if len(present) > 1 else present * 3
+    return f"{bold} [{number(q25, 2)}, {number(q75, 2)}]"
 
 
 def median(values: list) -> float | None:
