@@ -113,6 +113,12 @@ def main() -> None:
     parser.add_argument("--evaluation-frequency", type=int, default=1000)
     parser.add_argument("--preference-flags", default="", help="more sac_rlhf.py flags for the preference runs, one string")
     parser.add_argument(
+        "--env-flags",
+        default="",
+        help="flags that shape the environment, for the preference runs and their ceiling alike, one string (e.g. "
+        "--terminate-when-unhealthy: a fallen Hopper starts over)",
+    )
+    parser.add_argument(
         "--ceiling-from",
         type=Path,
         help="a workdir whose runs/ holds this benchmark's SAC-on-objective runs with the same env, objective, seeds, steps "
@@ -158,7 +164,7 @@ def main() -> None:
                 "--teacher-feedback-num-queries-per-session", str(args.queries_per_session),
                 "--teacher-feedback-frequency", str(args.feedback_frequency), "--evaluation-frequency", str(args.evaluation_frequency),
                 "--evaluation-episodes", str(EVALUATION_EPISODES), "--checkpoint-frequency", str(args.checkpoint_frequency),
-                "--torch-threads", "1", "--no-cuda", *shlex.split(args.preference_flags),
+                "--torch-threads", "1", "--no-cuda", *shlex.split(args.preference_flags), *shlex.split(args.env_flags),
             ]  # fmt: skip
             runs.append((objective_name, seed, start_unless_finished(args, jobs, "sac_rlhf.py", flags, run_name)))
             if args.behaviour == "windmill":
@@ -168,6 +174,7 @@ def main() -> None:
                 "--run-name", f"{run_name}__sac", "--total-timesteps", str(args.steps),
                 "--evaluation-frequency", str(args.evaluation_frequency), "--evaluation-episodes", str(EVALUATION_EPISODES),
                 "--checkpoint-frequency", str(args.checkpoint_frequency), "--torch-threads", "1", "--no-cuda",
+                *shlex.split(args.env_flags),
             ]  # fmt: skip
             if args.ceiling_from is not None:
                 ceiling_run = earlier_run(args.ceiling_from, "sac.py", ceiling_flags, finished=False)
@@ -240,6 +247,7 @@ def main() -> None:
         + [f"--explore-steps {args.explore_steps}", f"--feedback-frequency {args.feedback_frequency}"]
         + [f"--queries-per-session {args.queries_per_session}", f"--evaluation-frequency {args.evaluation_frequency}"]
         + ([f"--preference-flags={shlex.quote(args.preference_flags)}"] if args.preference_flags else [])
+        + ([f"--env-flags={shlex.quote(args.env_flags)}"] if args.env_flags else [])
         + ([f"--ceiling-from {relative(args.ceiling_from)}"] if args.ceiling_from else [])
         + (["--reuse-finished"] if args.reuse_finished else [])
         + (["--resume-unfinished"] if args.resume_unfinished else [])

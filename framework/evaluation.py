@@ -45,6 +45,9 @@ class Args:
     terminate_when_unhealthy: bool | None = None
     """end episodes when the robot falls (default: as the model was trained; a run with --no-terminate-when-unhealthy
     is evaluated without that termination)"""
+    terminate_when_tilted: bool | None = None
+    """with unhealthy termination, also end episodes when the torso tilts too far (default: as the model was trained;
+    a run with --no-terminate-when-tilted is evaluated ending on falls only)"""
     objective: str | None = None
     """also measure this --teacher-objective (a built-in name or module:function; default: the one the model was
     trained with, if any; '' measures none)"""
@@ -81,6 +84,9 @@ def main(args: Args) -> dict:
     terminate_when_unhealthy = args.terminate_when_unhealthy
     if terminate_when_unhealthy is None:
         terminate_when_unhealthy = trained_with.get("terminate_when_unhealthy", True) or env_id != trained_with["env_id"]
+    terminate_when_tilted = args.terminate_when_tilted
+    if terminate_when_tilted is None:
+        terminate_when_tilted = trained_with.get("terminate_when_tilted", True) or env_id != trained_with["env_id"]
     task_seed = trained_with["seed"] if env_id == trained_with["env_id"] else None  # Meta-World: the layout it was trained on
     objective_name = trained_with.get("teacher_objective", "") if args.objective is None else args.objective
     objective = load_objective(objective_name) if objective_name else None
@@ -100,6 +106,7 @@ def main(args: Args) -> dict:
             task_seed,
             objective=objective,
             objective_measures=measures,
+            terminate_when_tilted=terminate_when_tilted,
         )
         returns, successes = returns + episode_returns, successes + episode_successes
     result = {

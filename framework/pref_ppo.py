@@ -128,6 +128,9 @@ class PPOArgs:
     terminate_when_unhealthy: bool = True
     """end an episode when the robot falls (Hopper, Walker2d, Ant, Humanoid); --no-terminate-when-unhealthy keeps it
     running so a person can teach what the default termination forbids (a salto, raising one leg)"""
+    terminate_when_tilted: bool = True
+    """with --terminate-when-unhealthy, also end an episode when the torso tilts past Gymnasium's healthy angle (Hopper
+    0.2 rad, Walker2d 1 rad); --no-terminate-when-tilted ends it on a fall (torso height) only, so a flip goes on"""
     total_timesteps: int = 1_000_000
     """total environment steps (whole iterations of num_envs x num_steps: the remainder is not run)"""
     learning_rate: float = 3e-4
@@ -430,10 +433,19 @@ def check_ppo_actions(env_id: str, space: gym.Space) -> None:
 
 
 def make_env(
-    env_id: str, seed: int, render_mode=None, width: int = 320, height: int = 240, terminate_when_unhealthy: bool = True, task_seed=None
+    env_id: str,
+    seed: int,
+    render_mode=None,
+    width: int = 320,
+    height: int = 240,
+    terminate_when_unhealthy: bool = True,
+    task_seed=None,
+    terminate_when_tilted: bool = True,
 ):
     """cleanrlhf_utils' environment, refused unless PPO can act in it (task_seed: the Meta-World layout, default seed's)."""
-    return cleanrlhf_envs.make_env(env_id, seed, render_mode, width, height, terminate_when_unhealthy, check_ppo_actions, task_seed)
+    return cleanrlhf_envs.make_env(
+        env_id, seed, render_mode, width, height, terminate_when_unhealthy, check_ppo_actions, task_seed, terminate_when_tilted
+    )
 
 
 def make_vector_env(args: PPOArgs) -> gym.vector.SyncVectorEnv:
@@ -448,6 +460,7 @@ def make_vector_env(args: PPOArgs) -> gym.vector.SyncVectorEnv:
                 args.video_height,
                 args.terminate_when_unhealthy,
                 task_seed=args.seed,  # one Meta-World layout for all copies: the one evaluations use
+                terminate_when_tilted=args.terminate_when_tilted,
             )
             for i in range(args.num_envs)
         ],

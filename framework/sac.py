@@ -99,6 +99,9 @@ class SACArgs:
     terminate_when_unhealthy: bool = True
     """end an episode when the robot falls (Hopper, Walker2d, Ant, Humanoid); --no-terminate-when-unhealthy keeps it
     running so a person can teach what the default termination forbids (a salto, raising one leg)"""
+    terminate_when_tilted: bool = True
+    """with --terminate-when-unhealthy, also end an episode when the torso tilts past Gymnasium's healthy angle (Hopper
+    0.2 rad, Walker2d 1 rad); --no-terminate-when-tilted ends it on a fall (torso height) only, so a flip goes on"""
     total_timesteps: int = 1_000_000
     """total environment steps"""
     buffer_size: int = 1_000_000
@@ -171,10 +174,18 @@ def check_sac_actions(env_id: str, space: gym.Space) -> None:
 
 
 def make_env(
-    env_id: str, seed: int, render_mode: str | None = None, width: int = 320, height: int = 240, terminate_when_unhealthy: bool = True
+    env_id: str,
+    seed: int,
+    render_mode: str | None = None,
+    width: int = 320,
+    height: int = 240,
+    terminate_when_unhealthy: bool = True,
+    terminate_when_tilted: bool = True,
 ):
     """cleanrlhf_utils' environment, refused unless SAC can act in it."""
-    return cleanrlhf_envs.make_env(env_id, seed, render_mode, width, height, terminate_when_unhealthy, check_actions=check_sac_actions)
+    return cleanrlhf_envs.make_env(
+        env_id, seed, render_mode, width, height, terminate_when_unhealthy, check_sac_actions, terminate_when_tilted=terminate_when_tilted
+    )
 
 
 class EnsembleLinear(nn.Module):
@@ -417,7 +428,17 @@ def main(args: Args, on_evaluation: Callable[[int, float], None] | None = None) 
     validate_resume_args(args)
     objective = apply_objective(args, field="reward_objective")  # sets what it needs, e.g. no unhealthy termination
     envs = gym.vector.SyncVectorEnv(
-        [make_env(args.env_id, args.seed, args.render_mode, args.video_width, args.video_height, args.terminate_when_unhealthy)],
+        [
+            make_env(
+                args.env_id,
+                args.seed,
+                args.render_mode,
+                args.video_width,
+                args.video_height,
+                args.terminate_when_unhealthy,
+                args.terminate_when_tilted,
+            )
+        ],
         autoreset_mode=gym.vector.AutoresetMode.NEXT_STEP,
     )
     resume_state = load_checkpoint(Path(args.resume) / "checkpoint.pt") if args.resume else None

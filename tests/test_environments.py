@@ -201,6 +201,49 @@ def test_evaluation_py_keeps_the_training_termination(chdir_tmp):
     assert kept["returns"][0] != forced["returns"][0]
 
 
+def hopper_ends_when_tilted_and_when_fallen(module, **termination) -> tuple[bool, bool]:
+    """(whether a step with the torso turned 1 rad backwards but 1.25 m high ends the episode, whether a step with it
+    lying at 0.3 m does)."""
+    env = module.make_env("Hopper-v5", 0, **termination)()
+    env.reset(seed=0)
+    ended = []
+    for height in (1.25, 0.3):
+        qpos = env.unwrapped.init_qpos.copy()
+        qpos[1], qpos[2] = height, -1.0
+        env.unwrapped.set_state(qpos, np.zeros(env.unwrapped.model.nv))
+        ended.append(bool(env.step(np.zeros(3, dtype=np.float32))[2]))
+    env.close()
+    return ended[0], ended[1]
+
+
+@pytest.mark.parametrize("module", [sac_rlhf, pref_ppo], ids=["sac_rlhf", "pref_ppo"])
+def test_no_terminate_when_tilted_ends_episodes_on_a_fall_only(module):
+    assert hopper_ends_when_tilted_and_when_fallen(module) == (True, True)
+    assert hopper_ends_when_tilted_and_when_fallen(module, terminate_when_tilted=False) == (False, True)
+    assert hopper_ends_when_tilted_and_when_fallen(module, terminate_when_unhealthy=False, terminate_when_tilted=False) == (False, False)
+
+
+def test_evaluation_py_keeps_the_training_tilt_termination(chdir_tmp):
+    import evaluation
+
+    args = small_args("fall_only", terminate_when_tilted=False, total_timesteps=300, learning_starts=100, total_explore_steps=0)
+    sac_rlhf.main(replace(args, unsupervised_exploration=False, teacher_feedback_total_queries=0))
+    assert json.loads(Path("runs/fall_only/args.json").read_text())["terminate_when_tilted"] is False
+    kept = evaluation.main(evaluation.Args(path_to_model="models/fall_only/latest", episodes=1))
+    forced = evaluation.main(evaluation.Args(path_to_model="models/fall_only/latest", episodes=1, terminate_when_tilted=True))
+    # Hopper pays 1 per healthy step: ending only on a fall, the barely trained policy's episode lasts longer
+    assert kept["returns"][0] > forced["returns"][0]
+
+
+@pytest.mark.parametrize("env_id", ["Ant-v5", "Swimmer-v5"])
+def test_no_terminate_when_tilted_is_refused_where_the_env_has_no_angle_termination(env_id):
+    with pytest.raises(sac_rlhf.ConfigError) as error:
+        sac_rlhf.make_env(env_id, 0, terminate_when_tilted=False)()
+    message = str(error.value)
+    assert message.startswith(f"--no-terminate-when-tilted: {env_id} has no termination on the torso's angle")
+    assert message.split("have it: ")[1].rstrip(")").split(", ") == ["Hopper-v5", "Walker2d-v5"]
+
+
 @pytest.mark.parametrize("module", [sac_rlhf, pref_ppo], ids=["sac_rlhf", "pref_ppo"])
 def test_no_terminate_when_unhealthy_is_refused_where_the_env_has_no_such_termination(module):
     with pytest.raises(module.ConfigError) as error:

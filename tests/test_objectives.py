@@ -152,15 +152,37 @@ class Settings:
         self.env_id, self.teacher_objective, self.terminate_when_unhealthy = env_id, teacher_objective, terminate_when_unhealthy
 
 
-def test_backflip_turns_unhealthy_termination_off_unless_the_command_line_asks_for_it():
+def test_backflip_turns_angle_termination_off_and_fall_termination_off_unless_the_command_line_asks_for_it():
     import sac_rlhf
 
     args = sac_rlhf.Args(env_id="Hopper-v5", teacher_objective="hopper-backflip")
     objectives.apply_objective(args, argv=["sac_rlhf.py"])
-    assert args.terminate_when_unhealthy is False
+    assert args.terminate_when_unhealthy is False and args.terminate_when_tilted is False
+    # asked for, unhealthy termination stays: episodes end on a fall (height), never on the angle a flip passes through
     args = sac_rlhf.Args(env_id="Hopper-v5", teacher_objective="hopper-backflip")
-    with pytest.raises(ConfigError, match="needs terminate_when_unhealthy=False: drop --terminate-when-unhealthy"):
-        objectives.apply_objective(args, argv=["sac_rlhf.py", "--terminate-when-unhealthy"])
+    objectives.apply_objective(args, argv=["sac_rlhf.py", "--terminate-when-unhealthy"])
+    assert args.terminate_when_unhealthy is True and args.terminate_when_tilted is False
+    args = sac_rlhf.Args(env_id="Hopper-v5", teacher_objective="hopper-backflip")
+    with pytest.raises(ConfigError, match="needs terminate_when_tilted=False: drop --terminate-when-tilted"):
+        objectives.apply_objective(args, argv=["sac_rlhf.py", "--terminate-when-tilted"])
+
+
+def test_a_users_objective_brings_its_settings_and_defaults(monkeypatch, tmp_path):
+    (tmp_path / "tilting.py").write_text(
+        "def lean(obs, actions, states):\n"
+        "    return obs[..., 0]\n"
+        "lean.settings = {'terminate_when_tilted': False}\n"
+        "lean.defaults = {'evaluation_episodes': 3}\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import sac_rlhf
+
+    args = sac_rlhf.Args(env_id="Hopper-v5", teacher_objective="tilting:lean")
+    objectives.apply_objective(args, argv=["sac_rlhf.py"])
+    assert args.terminate_when_tilted is False and args.evaluation_episodes == 3
+    args = sac_rlhf.Args(env_id="Hopper-v5", teacher_objective="tilting:lean", evaluation_episodes=7)
+    objectives.apply_objective(args, argv=["sac_rlhf.py", "--evaluation-episodes", "7"])
+    assert args.evaluation_episodes == 7
 
 
 @pytest.mark.parametrize(

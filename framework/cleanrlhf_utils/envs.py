@@ -7,6 +7,7 @@ mid-episode bit for bit."""
 import functools
 import importlib
 import importlib.util
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -48,28 +49,37 @@ def check_env_id(env_id: str) -> None:
         raise ConfigError(f"--env-id {env_id} is not a registered Gymnasium environment{hint}")
 
 
-def accepts_terminate_when_unhealthy(env_id: str) -> bool:
-    """Whether the env's constructor takes terminate_when_unhealthy (Gymnasium's Hopper, Walker2d, Ant, Humanoid)."""
+def accepts_keyword(env_id: str, keyword: str) -> bool:
+    """Whether the env's constructor takes `keyword` (terminate_when_unhealthy: Gymnasium's Hopper, Walker2d, Ant,
+    Humanoid; healthy_angle_range: Hopper, Walker2d)."""
     import inspect
 
     entry_point = gym.spec(registered_id(env_id)).entry_point
     creator = gym.envs.registration.load_env_creator(entry_point) if isinstance(entry_point, str) else entry_point
     try:
-        return "terminate_when_unhealthy" in inspect.signature(creator).parameters
+        return keyword in inspect.signature(creator).parameters
     except (TypeError, ValueError):
         return False
 
 
-def env_kwargs(env_id: str, terminate_when_unhealthy: bool = True) -> dict:
-    """Keyword arguments for gym.make beyond rendering; a request the env cannot honour is an error, never ignored."""
-    if terminate_when_unhealthy:
-        return {}
-    if not accepts_terminate_when_unhealthy(env_id):
-        having = [name for name in gym.registry if name.endswith("-v5") and accepts_terminate_when_unhealthy(name)]
-        raise ConfigError(
-            f"--no-terminate-when-unhealthy: {env_id} has no unhealthy termination to turn off (envs that have it: {', '.join(having)})"
-        )
-    return {"terminate_when_unhealthy": False}
+def refuse_unless_accepted(env_id: str, keyword: str, flag: str, what: str) -> None:
+    """ConfigError in one line, naming the envs that do take `keyword`, unless env_id's constructor takes it."""
+    if accepts_keyword(env_id, keyword):
+        return
+    having = [name for name in gym.registry if name.endswith("-v5") and accepts_keyword(name, keyword)]
+    raise ConfigError(f"{flag}: {env_id} has no {what} to turn off (envs that have it: {', '.join(having)})")
+
+
+def env_kwargs(env_id: str, terminate_when_unhealthy: bool = True, terminate_when_tilted: bool = True) -> dict:
+    """Keyword arguments for gym.make beyond rendering; a request the env cannot honour is an error, never ignored.
+    terminate_when_tilted=False with unhealthy termination on ends episodes on a fall (torso height) only: the angle
+    Gymnasium calls unhealthy (Hopper 0.2 rad, Walker2d 1 rad) is widened to any angle."""
+    if not terminate_when_tilted:
+        refuse_unless_accepted(env_id, "healthy_angle_range", "--no-terminate-when-tilted", "termination on the torso's angle")
+    if not terminate_when_unhealthy:
+        refuse_unless_accepted(env_id, "terminate_when_unhealthy", "--no-terminate-when-unhealthy", "unhealthy termination")
+        return {"terminate_when_unhealthy": False}
+    return {} if terminate_when_tilted else {"healthy_angle_range": (-math.inf, math.inf)}
 
 
 def image_observation_keys(space: gym.Space) -> list[str]:
@@ -114,6 +124,7 @@ def make_env(
     terminate_when_unhealthy: bool = True,
     check_actions: Callable[[str, gym.Space], None] | None = None,
     task_seed: int | None = None,
+    terminate_when_tilted: bool = True,
 ):
     """A thunk building one env: Dict observations flattened (keys in a fixed order), camera-image observations
     refused, shadows cheapened for software rendering. `check_actions(env_id, action_space)` is the algorithm's
@@ -122,7 +133,7 @@ def make_env(
 
     def thunk():
         check_env_id(env_id)
-        kwargs = env_kwargs(env_id, terminate_when_unhealthy)
+        kwargs = env_kwargs(env_id, terminate_when_unhealthy, terminate_when_tilted)
         if env_id.startswith(METAWORLD_PREFIX):
             kwargs |= {"task_seed": seed if task_seed is None else task_seed}
         if render_mode == "rgb_array" and env_id.startswith("dm_control/"):

@@ -38,6 +38,7 @@ def evaluate_episodes(
     task_seed: int | None = None,
     objective: Objective | None = None,
     objective_measures: list | None = None,
+    terminate_when_tilted: bool = True,
 ) -> tuple[list[float], list[bool | None]]:
     """True returns of `policy.deterministic_action` over episodes with seeds seed, seed+1, ..., and whether each
     reached info["success"] (None on envs without it); optionally an mp4 of the first. `task_seed`: the Meta-World
@@ -45,7 +46,9 @@ def evaluate_episodes(
     training's RNG alone. With an `objective`, each episode's (objective return, objective success) is appended to
     `objective_measures`, measured on the observations, actions and simulator states the episode went through."""
     render_mode = "rgb_array" if video_path else None
-    env = make_env(env_id, seed, render_mode, width, height, terminate_when_unhealthy, task_seed=task_seed)()
+    env = make_env(
+        env_id, seed, render_mode, width, height, terminate_when_unhealthy, task_seed=task_seed, terminate_when_tilted=terminate_when_tilted
+    )()
     discrete = isinstance(env.action_space, gym.spaces.Discrete)
     returns, successes, frames = [], [], []
     policy.eval()
@@ -131,6 +134,7 @@ def evaluate_and_log(policy, args, writer, video_dir: Path, device, step: int, o
         task_seed=args.seed,
         objective=objective,
         objective_measures=measures,
+        terminate_when_tilted=args.terminate_when_tilted,
     )
     objective_return = float(np.mean([ret for ret, _ in measures])) if measures else None
     objective_successes = [success for _, success in measures if success is not None]

@@ -23,8 +23,9 @@ It must be vectorised over segments and steps (numpy on whole arrays: it labels 
 must not depend on which steps are masked (masked steps' rewards are zeroed after it). Optional attributes on the
 function: `success(obs, actions, states) -> [n]` (one value per episode, given whole episodes [n, T + 1, ...] with
 the final observation and a zero action appended: evaluation logs its mean as eval/objective_success), `envs` (a
-tuple of env names without version, e.g. ("Hopper",): any other env is refused) and `settings` ({Args field: value}
-the run needs). examples/objectives/my_objective.py is a complete example.
+tuple of env names without version, e.g. ("Hopper",): any other env is refused), `settings` ({Args field: value}
+the run needs; a command line that contradicts one is refused) and `defaults` ({Args field: value} the run takes
+unless the command line sets that field). examples/objectives/my_objective.py is a complete example.
 """
 
 import dataclasses
@@ -53,7 +54,9 @@ class Objective:
     envs: tuple[str, ...] = ()
     """env names (registry id without version and module) it applies to; empty: any env"""
     settings: dict = field(default_factory=dict)
-    """Args field -> value the behaviour needs (set unless the command line contradicts it)"""
+    """Args field -> value the behaviour needs (set; a command line that contradicts it is refused)"""
+    defaults: dict = field(default_factory=dict)
+    """Args field -> value the behaviour runs with unless the command line says otherwise"""
 
     @property
     def description(self) -> str:
@@ -97,8 +100,9 @@ def hopper_backflip(obs: Array, actions: Array, states: Array) -> Array:
     (radians, -d pitch/dt x dt) while the torso is at least 0.7 m high (0 below: rolling on the ground is no backflip),
     so a return is how far the torso turned backwards up there (2 pi per backflip). Success: completed backflips per
     episode, floor(max(0, net backward turn up there) / 2 pi), the turn summed from the unwrapped pitch angle's change
-    over the steps that start at that height. Needs --no-terminate-when-unhealthy (set for you): Gymnasium's Hopper
-    ends an episode once the torso tilts by 0.2 rad."""
+    over the steps that start at that height. Needs --no-terminate-when-tilted (set for you): Gymnasium's Hopper ends
+    an episode once the torso tilts by 0.2 rad. Episodes do not end on a fall either, unless --terminate-when-unhealthy
+    is given: then they end when the torso drops below 0.7 m."""
     return hopper_backward_turns(states)
 
 
@@ -198,7 +202,14 @@ def _turning_share(direction: float) -> Callable[[Array, Array, Array], Array]:
 
 
 OBJECTIVES: dict[str, Objective] = {
-    "hopper-backflip": Objective("hopper-backflip", hopper_backflip, hopper_backflips, ("Hopper",), {"terminate_when_unhealthy": False}),
+    "hopper-backflip": Objective(
+        "hopper-backflip",
+        hopper_backflip,
+        hopper_backflips,
+        ("Hopper",),
+        {"terminate_when_tilted": False},
+        {"terminate_when_unhealthy": False},
+    ),
     "ant-raise-leg": Objective("ant-raise-leg", ant_raise_leg, ant_leg_raised_share, ("Ant",)),
     "halfcheetah-backward": Objective("halfcheetah-backward", halfcheetah_backward, halfcheetah_backward_speed, ("HalfCheetah",)),
     "windmill-clockwise": Objective("windmill-clockwise", windmill_clockwise, _turning_share(1.0), ("Windmill",)),
@@ -229,7 +240,10 @@ def load_objective(name: str, flag: str = "--teacher-objective") -> Objective | 
     except (TypeError, ValueError):
         raise ConfigError(f"{flag} {name}: {function_name} must take (obs, actions, states) and return per-step rewards [n, L]") from None
     success = getattr(function, "success", None)
-    return Objective(name, function, success, tuple(getattr(function, "envs", ())), dict(getattr(function, "settings", {})))
+    envs, settings, defaults = (
+        getattr(function, attribute, empty) for attribute, empty in (("envs", ()), ("settings", {}), ("defaults", {}))
+    )
+    return Objective(name, function, success, tuple(envs), dict(settings), dict(defaults))
 
 
 def env_name(env_id: str) -> str:
@@ -258,6 +272,9 @@ def apply_objective(args, argv: list[str] | None = None, field: str = "teacher_o
             continue
         need(setting not in given, f"{flag} {objective.name} needs {setting}={value}: drop --{setting.replace('_', '-')}")
         if dataclasses.is_dataclass(args) and hasattr(args, setting):
+            setattr(args, setting, value)
+    for setting, value in objective.defaults.items():
+        if setting not in given and dataclasses.is_dataclass(args) and hasattr(args, setting):
             setattr(args, setting, value)
     return objective
 
