@@ -120,8 +120,11 @@ def variant_flags(variant: str, env_id: str) -> list[str]:
 
 # The teacher's noise (B-Pref's mistake and beta-rational models) and the label-noise defence, passed to the preference
 # run as they are: a noisy teacher's cost is the return against the same setting with the oracle (the defaults, which
-# are the scripts' own: tests/test_bench.py holds them equal). --rime-flip-tau 1e-40: rime that drops and never flips.
-TEACHER_FLAGS = {"teacher_eps_mistake": 0.0, "teacher_beta": -1.0, "robust_labels": "none", "rime_flip_tau": 0.001}
+# are the scripts' own: tests/test_bench.py holds them equal). --rime-flip-tau 1e-40: rime that drops and never flips;
+# --rime-warm-start-steps 0: rime without its warm start.
+TEACHER_FLAGS = {
+    "teacher_eps_mistake": 0.0, "teacher_beta": -1.0, "robust_labels": "none", "rime_flip_tau": 0.001, "rime_warm_start_steps": 1000,
+}  # fmt: skip
 
 
 def teacher_flags(args) -> list[str]:
@@ -327,6 +330,10 @@ def main() -> None:
         help="rime: a label trains flipped when the model gives it a probability below this (1e-40: never; it is only dropped)",
     )  # fmt: skip
     parser.add_argument(
+        "--rime-warm-start-steps", type=int, default=TEACHER_FLAGS["rime_warm_start_steps"],
+        help="rime: Adam steps fitting the reward model to the exploration reward before the first labels (0: no warm start)",
+    )  # fmt: skip
+    parser.add_argument(
         "--baseline-from", type=Path, nargs="+", default=None,
         help="earlier results JSON of this benchmark: reuse their baseline runs (same env and evaluation, as many steps or more) "
         "instead of running them; seeds they lack are run",
@@ -349,6 +356,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.rime_flip_tau != TEACHER_FLAGS["rime_flip_tau"] and args.robust_labels != "rime":
         parser.error(f"--rime-flip-tau {args.rime_flip_tau} only acts with --robust-labels rime, got {args.robust_labels}")
+    if args.rime_warm_start_steps != TEACHER_FLAGS["rime_warm_start_steps"] and args.robust_labels != "rime":
+        parser.error(f"--rime-warm-start-steps {args.rime_warm_start_steps} only acts with --robust-labels rime, got {args.robust_labels}")
     if args.output is None:
         suffix = "" if args.algorithm == "sac" else f"_{args.algorithm}"
         args.output = REPO / "bench" / "results" / f"feedback_efficiency{suffix}.json"

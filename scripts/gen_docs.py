@@ -287,9 +287,10 @@ def feedback_table(rows: list[dict], ppo: bool) -> list[str]:
 def noise_table(results: list[dict], repo: Path = REPO) -> list[str]:
     """A noisy teacher's cost per seed: each run (one defence per results file) against the oracle teacher's run of the
     same setting at the same step (--oracle-from), in one block per defence, and a median row per defence over all its
-    seeds: files of one defence (seeds run at different times) pool. A rime run whose flip threshold is not the
-    scripts' default (e.g. drop-only) is named with it."""
+    seeds: files of one defence (seeds run at different times) pool. A rime run whose flip threshold or warm start is
+    not the scripts' default (e.g. drop-only, or no warm start) is named with it."""
     flip_default = args_default(repo, "sac_rlhf", "rime_flip_tau")
+    warm_default = args_default(repo, "sac_rlhf", "rime_warm_start_steps")
     lines = [
         "| defence | seed | return | oracle's return | × oracle | last-3 mean vs oracle's | last-3 × oracle "
         "| held-out accuracy | reward correlation |",
@@ -299,7 +300,11 @@ def noise_table(results: list[dict], repo: Path = REPO) -> list[str]:
     for result in results:
         defence = result["settings"].get("robust_labels", "none")
         flip_tau = result["settings"].get("rime_flip_tau", flip_default)  # older results ran before the flag: the default
-        defence += f" (flip τ {flip_tau:g})" if defence == "rime" and flip_tau != flip_default else ""
+        warm = result["settings"].get("rime_warm_start_steps", warm_default)
+        if defence == "rime":
+            changed = [f"flip τ {flip_tau:g}"] if flip_tau != flip_default else []
+            changed += ["no warm start" if warm == 0 else f"warm start {warm} steps"] if warm != warm_default else []
+            defence += f" ({', '.join(changed)})" if changed else ""
         by_defence.setdefault(defence, []).append(result)
     for defence, pooled in by_defence.items():
         rows = sorted((row for result in pooled for row in result["rows"]), key=lambda row: row["seed"])

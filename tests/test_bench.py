@@ -160,12 +160,14 @@ def test_feedback_efficiency_passes_the_teachers_noise_and_the_defence_to_the_pr
         assert {key: getattr(defaults, key) for key in feedback_efficiency.TEACHER_FLAGS} == feedback_efficiency.TEACHER_FLAGS
 
 
-def test_feedback_efficiency_refuses_a_flip_threshold_without_rime():
-    """--rime-flip-tau without --robust-labels rime would be passed on and never act: one line naming both, exit 2."""
-    bench = [sys.executable, str(REPO / "bench/feedback_efficiency.py"), "--rime-flip-tau", "1e-40", "--robust-labels", "smooth"]
+@pytest.mark.parametrize(("flag", "value"), [("--rime-flip-tau", "1e-40"), ("--rime-warm-start-steps", "0")])
+def test_feedback_efficiency_refuses_a_rime_setting_without_rime(flag, value):
+    """--rime-flip-tau or --rime-warm-start-steps without --robust-labels rime would be passed on and never act: one
+    line naming both, exit 2."""
+    bench = [sys.executable, str(REPO / "bench/feedback_efficiency.py"), flag, value, "--robust-labels", "smooth"]
     refused = subprocess.run(bench, capture_output=True, text=True, timeout=120)
     assert refused.returncode == 2
-    assert "--rime-flip-tau 1e-40 only acts with --robust-labels rime, got smooth" in refused.stderr.splitlines()[-1]
+    assert f"{flag} {value} only acts with --robust-labels rime, got smooth" in refused.stderr.splitlines()[-1]
 
 
 def test_throughput_runs_versions_side_by_side_on_one_thread_and_alone_on_more():

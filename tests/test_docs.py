@@ -319,6 +319,13 @@ def test_a_noise_table_shows_each_defence_against_the_oracle_teacher_at_the_same
     results["rime"]["settings"]["rime_flip_tau"] = 1e-40
     lines = gen_docs.fill_tables(page, results, "page.md").splitlines()
     assert lines[7].startswith("| rime (flip τ 1e-40) | 1 | 900 |") and lines[10].startswith("| **rime (flip τ 1e-40), median** |")
+    # rime without its warm start (--rime-warm-start-steps 0) is named apart too, beside any other change
+    results["rime"]["settings"]["rime_warm_start_steps"] = 0
+    lines = gen_docs.fill_tables(page, results, "page.md").splitlines()
+    assert lines[7].startswith("| rime (flip τ 1e-40, no warm start) | 1 | 900 |")
+    del results["rime"]["settings"]["rime_flip_tau"]
+    lines = gen_docs.fill_tables(page, results, "page.md").splitlines()
+    assert lines[10].startswith("| **rime (no warm start), median** |")
 
 
 def test_a_noise_table_pools_the_files_of_one_defence_into_one_median_over_all_their_seeds():
@@ -347,7 +354,8 @@ def test_a_noise_table_takes_rimes_default_flip_threshold_from_the_script(tmp_pa
     """Which rime runs are named by their flip threshold follows sac_rlhf.py's Args default, read from its source: with a
     script whose default is 0.01, a 0.01 run is plain `rime` and a 0.001 run is named apart."""
     (tmp_path / "framework").mkdir()
-    (tmp_path / "framework" / "sac_rlhf.py").write_text('class Args:\n    rime_flip_tau: float = 0.01\n    """doc"""\n')
+    script = 'class Args:\n    rime_flip_tau: float = 0.01\n    """doc"""\n    rime_warm_start_steps: int = 1000\n    """doc"""\n'
+    (tmp_path / "framework" / "sac_rlhf.py").write_text(script)
     assert gen_docs.args_default(tmp_path, "sac_rlhf", "rime_flip_tau") == 0.01
     assert gen_docs.args_default(REPO, "sac_rlhf", "rime_flip_tau") == sac_rlhf.Args().rime_flip_tau
     row = {"seed": 1, "pebble_return": 1.0, "oracle_return": 2.0, "oracle_ratio": 0.5}
