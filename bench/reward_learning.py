@@ -46,6 +46,13 @@ variant's median acc over seeds with its range.
         --strategies disagree --teachers oracle mistake0.1 mistake0.2 mistake0.3 beta10 beta1 \
         --variants default smooth rime --seeds 1 2 3 --output bench/results/reward_learning_noise.json
 
+Replay (`replay`): a finished sac_rlhf.py run's own labels, the queries its online loop chose and its teacher's
+answers, fitted again session by session (in the sessions and on the replay buffer as it stood when they came) with
+the run's reward-model settings and each variant's defence (`default`: none), measured after every session on fresh
+pairs of the run's final buffer. It asks whether a defence, rather than the queries, made a run's reward model:
+
+    python bench/reward_learning.py replay --runs bench/workdir/models/<run>/latest --variants default rime rime-nowarm
+
 Variants change sac_rlhf.Args fields passed to train_reward_model; the few the scripts have no setting for (ReLU,
 weight decay, a step count proportional to the labels, the old segment sampler) are BENCH-ONLY EXPERIMENTS, marked so
 below: if one wins, it has to be written into sac_rlhf.py and pref_ppo.py before a run can use it. A run that is
@@ -318,6 +325,37 @@ def session_sizes(budgets: list[int], session_size: int) -> list[int]:
     return [b - a for a, b in zip([0, *ends], ends)]
 
 
+def fit_session(
+    model: sac_rlhf.RewardEnsemble,
+    optimizer: torch.optim.Optimizer,
+    prefs: sac_rlhf.PreferenceBuffer,
+    rb: ReplayBuffer,
+    args: sac_rlhf.Args,
+    variant: Variant,
+    rng: np.random.Generator,
+    label_filter: sac_rlhf.LabelFilter,
+    session: int,
+) -> tuple[sac_rlhf.RewardEnsemble, torch.optim.Optimizer, sac_rlhf.Args, dict]:
+    """The reward model's training after session `session` (0-based), as sac_rlhf.py trains it, with the variant's
+    bench-only changes: (model, optimizer, args, train_reward_model's stats), the first three as the next session
+    continues them."""
+    if variant.reinit and session > 0:
+        model, optimizer = new_model(variant, args, rb)
+    if variant.epochs_per_label:  # BENCH-ONLY: a step count proportional to the labels, as SURF trains
+        steps_per_epoch = math.ceil(len(prefs) / args.reward_net_batch_size)
+        steps = math.ceil(variant.epochs_per_label * len(prefs) / args.reward_net_batch_size)
+        args = dataclasses.replace(args, reward_net_epochs=math.ceil(steps / steps_per_epoch), **NO_STOP)
+    stats = sac_rlhf.train_reward_model(model, optimizer, prefs, rb, args, rng, "cpu", label_filter)
+    return model, optimizer, args, stats
+
+
+def label_error(prefs: sac_rlhf.PreferenceBuffer) -> float:
+    """The labels' own error rate against the true reward (ties, of the returns or of the labels, left out)."""
+    true_returns = (prefs.true_rewards * prefs.masks).sum(-1)
+    decided = (true_returns[:, 0] != true_returns[:, 1]) & (prefs.labels != 0.5)
+    return float(((prefs.labels > 0.5) != (true_returns[:, 1] > true_returns[:, 0]))[decided].mean())
+
+
 def run_trial(
     rb: ReplayBuffer, evals: dict[str, EvalSet], strategy: str, variant: Variant, seed: int, opts, teacher_name: str = "oracle"
 ) -> list[dict]:
@@ -345,14 +383,8 @@ def run_trial(
         answered = ~np.isnan(labels)
         arrays = [segments[name][answered] for name in ("obs_actions", "masks", "true_rewards", "physics_states")]
         prefs.add(*arrays, labels[answered], np.zeros(int(answered.sum()), dtype=bool), session)
-        if variant.reinit and session > 0:
-            model, optimizer = new_model(variant, args, rb)
-        if variant.epochs_per_label:  # BENCH-ONLY: a step count proportional to the labels, as SURF trains
-            steps_per_epoch = math.ceil(len(prefs) / args.reward_net_batch_size)
-            steps = math.ceil(variant.epochs_per_label * len(prefs) / args.reward_net_batch_size)
-            args = dataclasses.replace(args, reward_net_epochs=math.ceil(steps / steps_per_epoch), **NO_STOP)
         cpu, wall = time.process_time(), time.perf_counter()
-        stats = sac_rlhf.train_reward_model(model, optimizer, prefs, rb, args, rng, "cpu", label_filter)
+        model, optimizer, args, stats = fit_session(model, optimizer, prefs, rb, args, variant, rng, label_filter, session)
         fit_cpu, fit_wall = fit_cpu + time.process_time() - cpu, fit_wall + time.perf_counter() - wall
         adam_steps += stats["epochs"] * math.ceil(len(prefs) / args.reward_net_batch_size)
         if asked in opts.budgets:  # measured after the session that reaches a budget
@@ -364,9 +396,7 @@ def run_trial(
                 "adam_steps": adam_steps,
             }
             row |= {"fit_cpu_s": fit_cpu, "fit_wall_s": fit_wall, "pseudo_labels": stats["pseudo_labels"]}
-            true_returns = prefs.true_rewards.sum(-1)  # the labels' own error rate against the true reward (ties left out)
-            decided = (true_returns[:, 0] != true_returns[:, 1]) & (prefs.labels != 0.5)
-            row["label_error"] = float(((prefs.labels > 0.5) != (true_returns[:, 1] > true_returns[:, 0]))[decided].mean())
+            row["label_error"] = label_error(prefs)
             row |= {name: stats[name] for name in ("labels_trusted", "labels_dropped", "labels_flipped") if name in stats}
             row["train_acc"] = sac_rlhf.preference_accuracy(model, prefs, np.arange(len(prefs)), "cpu")
             for name, data in evals.items():
@@ -541,6 +571,111 @@ def run_benchmark(opts) -> None:
     tmp.unlink(missing_ok=True)
 
 
+# ----------------------------------------------------------------------------------------
+# Replay: a finished run's own labels, session by session
+# ----------------------------------------------------------------------------------------
+DEFENCE_FIELDS = (
+    "robust_labels", "robust_label_epsilon", "rime_alpha", "rime_beta_max", "rime_beta_min", "rime_beta_decay_epochs",
+    "rime_flip_tau", "rime_warm_start_steps",
+)  # fmt: skip
+"""sac_rlhf.Args fields of the label-noise defence: a replay sets them to the scripts' defaults, then the variant's"""
+
+
+def load_run(folder: Path) -> tuple[dict, ReplayBuffer]:
+    """(checkpoint, replay buffer) of a sac_rlhf.py checkpoint folder (models/<run>/latest)."""
+    checkpoint_file, buffer_file = folder / "checkpoint.pt", folder / "replay_buffer.npz"
+    if not checkpoint_file.is_file() or not buffer_file.is_file():
+        raise SystemExit(f"--runs {folder}: no checkpoint.pt and replay_buffer.npz there (a sac_rlhf.py run's models/<run>/latest)")
+    checkpoint = torch.load(checkpoint_file, map_location="cpu", weights_only=False)
+    if "preference_buffer" not in checkpoint:
+        raise SystemExit(f"--runs {folder}: {checkpoint['args'].get('exp_name')} keeps no labels; replay needs a sac_rlhf.py run")
+    return checkpoint, load_buffer(buffer_file)
+
+
+def replay_trial(checkpoint: dict, full: ReplayBuffer, data: EvalSet, variant: Variant, seed: int) -> list[dict]:
+    """The run's labels, in the sessions it got them (their global steps), each session fitted as sac_rlhf.py fits
+    it with the run's reward-model settings, its defence replaced by the variant's, on the replay buffer as it stood
+    then; after every session a row measured on `data` (fresh pairs of the run's final buffer)."""
+    recorded = {name: value for name, value in checkpoint["args"].items() if name in sac_rlhf.Args.__dataclass_fields__}
+    defaults = sac_rlhf.Args()
+    args = dataclasses.replace(sac_rlhf.Args(**recorded), **{name: getattr(defaults, name) for name in DEFENCE_FIELDS})
+    args = dataclasses.replace(args, **variant.args, seed=seed)
+    torch.manual_seed(seed)  # ensemble initialisation and train_reward_model's shuffles
+    rng = np.random.default_rng(seed)  # SURF's unlabelled pairs and the warm start's rows
+    model, optimizer = new_model(variant, args, full)
+    label_filter = sac_rlhf.LabelFilter()
+    stored = checkpoint["preference_buffer"]
+    prefs = sac_rlhf.PreferenceBuffer(args.segment_length, full.obs.shape[1] + full.actions.shape[1], full.physics_states.shape[1])
+    rows = []
+    for session, step in enumerate(np.unique(stored["global_steps"])):
+        new = stored["global_steps"] == step
+        fields = ("obs_actions", "masks", "true_rewards", "physics_states", "labels", "heldout")
+        prefs.add(*(np.asarray(stored[name])[new] for name in fields), int(step))
+        then = slice_buffer(full, slice(0, rows_before_step(full, int(step))))
+        model, optimizer, args, stats = fit_session(model, optimizer, prefs, then, args, variant, rng, label_filter, session)
+        row = {
+            "session": session + 1,
+            "step": int(step),
+            "labels": len(prefs),
+            "epochs": stats["epochs"],
+            "label_error": label_error(prefs),
+        }
+        row |= {name: stats[name] for name in ("labels_trusted", "labels_dropped", "labels_flipped") if name in stats}
+        rows.append(row | measure(model, data))
+    return rows
+
+
+def replay_runs(opts) -> None:
+    torch.set_num_threads(opts.threads)
+    unknown = [v for v in opts.variants if v not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"unknown variants {unknown}; `python bench/reward_learning.py variants` lists them")
+    trials, runs_info, table = [], {}, []
+    for folder in opts.runs:
+        checkpoint, full = load_run(folder)
+        data = EvalSet.from_buffer(full, opts.eval_pairs, opts.eval_segment_length, (EVAL_SEED, full.size))
+        recorded = checkpoint["args"]
+        run = checkpoint["run_name"]
+        runs_info[run] = {
+            "folder": str(folder), "env_id": recorded["env_id"], "seed": recorded["seed"], "robust_labels": recorded.get("robust_labels", "none"),
+            "teacher_eps_mistake": recorded.get("teacher_eps_mistake"), "teacher_beta": recorded.get("teacher_beta"),
+            "labels": int(len(checkpoint["preference_buffer"]["labels"])), "transitions": full.size,
+        }  # fmt: skip
+        for variant in opts.variants:
+            per_seed = []
+            for seed in opts.seeds:
+                start = time.perf_counter()
+                rows = replay_trial(checkpoint, full, data, VARIANTS[variant], seed)
+                trials.append({"run": run, "variant": variant, "seed": seed, "wall_s": time.perf_counter() - start, "rows": rows})
+                per_seed.append(rows)
+                accuracies = " ".join(f"{row['acc']:.2f}" for row in rows)
+                print(f"{run} {variant} seed {seed}: acc per session {accuracies}", flush=True)
+            summary = {"run": run, "labels_of": f"{runs_info[run]['robust_labels']}, seed {recorded['seed']}", "variant": variant}
+            for session_rows in zip(*per_seed):
+                summary[f"s{session_rows[0]['session']}"] = round(median([row["acc"] for row in session_rows]), 3)
+            last = [rows[-1] for rows in per_seed]
+            summary |= {"acc_min": min(row["acc"] for row in last), "acc_max": max(row["acc"] for row in last)}
+            summary |= {"r_step": median([row["r_step"] for row in last]), "epochs": median([row["epochs"] for row in last])}
+            table.append(summary)
+    print("\nfresh-pair accuracy on each run's final buffer after every session (s1, s2, ...), median over seeds; the range,")
+    print("the per-step correlation r_step and the epochs of the last session's fit\n")
+    sessions = sorted({key for row in table for key in row if key[0] == "s" and key[1:].isdigit()}, key=lambda key: int(key[1:]))
+    print_table(table, ["labels_of", "variant", *sessions, "acc_min", "acc_max", "r_step", "epochs"])
+    payload = {
+        "benchmark": "reward_learning_replay",
+        "command": " ".join(["python", "bench/reward_learning.py", *sys.argv[1:]]),
+        "machine": machine_info(),
+        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(opts).items() if k not in ("func", "runs")}
+        | {"runs": [str(folder) for folder in opts.runs]},
+        "runs": runs_info,
+        "variants": {name: VARIANTS[name].description for name in opts.variants},
+        "variant_settings": {name: VARIANTS[name].args for name in opts.variants},
+        "medians": table,
+        "trials": trials,
+    }
+    write_json(Path(opts.output), payload)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -574,6 +709,19 @@ def main() -> None:
     run.add_argument("--output", default=str(REPO / "bench" / "results" / "reward_learning.json"))
     run.add_argument("--resume", action="store_true", help="keep the trials of <output>.tmp (or of a finished <output>) and add to them")
     run.set_defaults(func=run_benchmark)
+
+    replay = commands.add_parser("replay", help="fit the variants on finished runs' own labels, session by session")
+    replay.add_argument(
+        "--runs", nargs="+", type=Path, required=True,
+        help="sac_rlhf.py checkpoint folders (models/<run>/latest): their labels in the sessions they came, their replay buffer",
+    )  # fmt: skip
+    replay.add_argument("--variants", nargs="+", default=["default", "rime", "rime-nowarm"], help="`default`: no defence")
+    replay.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3])
+    replay.add_argument("--eval-pairs", type=int, default=1000)
+    replay.add_argument("--eval-segment-length", type=int, default=50)
+    replay.add_argument("--threads", type=int, default=1, help="torch threads (the scripts' --torch-threads default)")
+    replay.add_argument("--output", default=str(REPO / "bench" / "results" / "reward_learning_replay.json"))
+    replay.set_defaults(func=replay_runs)
 
     opts = parser.parse_args()
     opts.func(opts)

@@ -373,3 +373,33 @@ def test_the_reward_learning_bench_labels_with_a_noisy_teacher_and_reports_the_s
     rime = table[("mistake0.2", "rime")]
     assert (rime["acc"], rime["acc_min"], rime["acc_max"], rime["d_acc"]) == pytest.approx((0.85, 0.8, 0.9, 0.2))
     assert table[("oracle", "default")]["d_acc"] == 0.0
+
+
+def test_the_replay_fits_a_finished_runs_own_labels_session_by_session_with_the_variants_defence(chdir_tmp):
+    """bench/reward_learning.py replay: a run's labels, in the sessions they came, fitted again with the run's settings
+    and the variant's defence; labels all inverted teach the reverse preference, as given ones teach the true one."""
+    import copy
+
+    from test_end_to_end import small_args
+
+    bench = reward_learning_bench()
+    args = small_args("replayed", robust_labels="rime", reward_net_epochs=50, rime_warm_start_steps=50)
+    sac_rlhf.main(args)
+    checkpoint, full = bench.load_run(Path("models/replayed/latest"))
+    data = bench.EvalSet.from_buffer(full, 300, args.segment_length, 0)
+    stored = checkpoint["preference_buffer"]
+    sessions = np.unique(stored["global_steps"])
+    given = bench.replay_trial(checkpoint, full, data, bench.VARIANTS["default"], 1)
+    per_session = [int((stored["global_steps"] == step).sum()) for step in sessions]
+    assert len(sessions) == 3 and [row["step"] for row in given] == list(sessions)
+    assert [row["labels"] for row in given] == list(np.cumsum(per_session)) and given[-1]["labels"] == 30
+    assert all(row["label_error"] == 0.0 for row in given)  # the oracle's labels
+    assert "labels_trusted" not in given[-1]  # the run's rime is replaced by the variant's defence: none
+    assert "labels_trusted" in bench.replay_trial(checkpoint, full, data, bench.VARIANTS["rime"], 1)[-1]
+    inverted = copy.deepcopy(checkpoint)
+    inverted["preference_buffer"]["labels"] = 1 - stored["labels"]
+    reverse = bench.replay_trial(inverted, full, data, bench.VARIANTS["default"], 1)
+    assert reverse[-1]["label_error"] == 1.0
+    assert reverse[-1]["acc"] < 0.4 and given[-1]["acc"] > 0.6
+    with pytest.raises(SystemExit, match="no checkpoint.pt and replay_buffer.npz there"):
+        bench.load_run(Path("models/no_such_run/latest"))
