@@ -475,6 +475,16 @@ def generic_table(rows: list[dict], columns: list[str] | None = None) -> list[st
 
 
 MEASUREMENT_COLUMNS = {
+    # before reward_learning, whose prefix it shares: fresh-pair accuracy after each of a run's 10 sessions, medians over seeds
+    "reward_learning_replay": [
+        "labels_of",
+        "variant",
+        *(f"s{session}" for session in range(1, 11)),
+        "acc_min",
+        "acc_max",
+        "r_step",
+        "epochs",
+    ],
     "reward_learning": ["env", "stage", "strategy", "variant", "labels", "seeds", "acc", "acc_latest", "rho_step", "train_acc", "epochs"],
     # per seed in docs/environments.md: what the teacher preferred against the ceiling (SAC on the objective as reward),
     # at the final evaluation and as the mean of the last three (one 5-episode evaluation swings by whole backflips)
