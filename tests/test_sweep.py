@@ -394,9 +394,14 @@ def test_wandb_trial_logs_the_metric_to_its_offline_run(chdir_tmp, monkeypatch):
 
     summary = sweep.run_wandb_trial({"q_lr": 1e-3}, script, parsed, base, project="cleanrlhf-test")
 
+    # run.finish() can return before W&B's service process has written the run's last records (the summary among
+    # them): seen once on a loaded CI machine. Shutting the service down flushes its writer; the exit record is last.
+    wandb.teardown()
     (run_file,) = (chdir_tmp / "wandb").glob("offline-run-*/run-*.wandb")
+    records = list(wandb_records(run_file))
+    assert records[-1].WhichOneof("record_type") == "exit", [record.WhichOneof("record_type") for record in records]
     logged, config_items, evaluations = {}, {}, []
-    for record in wandb_records(run_file):
+    for record in records:
         kind = record.WhichOneof("record_type")
         if kind == "history":
             row = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
