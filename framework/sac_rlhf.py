@@ -1114,6 +1114,16 @@ def warm_start_reward_model(
     return loss.item() / ensemble
 
 
+def teacher_mistakes(prefs: PreferenceBuffer, indices: np.ndarray, objective: Objective | None, obs_dim: int) -> np.ndarray:
+    """Which labels of the pairs at `indices` (N,) contradict the reward the teacher judges by (judged_rewards: the
+    env's, or --teacher-objective's): a decided label for the segment with the lower return. A tie, given or true, is
+    no mistake. What rime's selection is measured against: with the synthetic teacher, exactly its noise."""
+    pairs = {name: getattr(prefs, name)[indices] for name in ("obs_actions", "physics_states", "masks")}
+    rewards = prefs.true_rewards[indices] if objective is None else segment_rewards(objective, pairs, obs_dim)
+    returns = (rewards * pairs["masks"]).sum(-1)
+    return np.sign(prefs.labels[indices] - 0.5) * np.sign(returns[:, 1] - returns[:, 0]) < 0
+
+
 # --- Reward-model training (Bradley-Terry), with SURF's temporal crops and pseudo-labels ---
 def train_reward_model(
     model: RewardEnsemble,
@@ -1129,7 +1139,8 @@ def train_reward_model(
     epoch plus --qpa-augmentations randomly cropped copies (all copies cropped with SURF). --robust-labels smooth
     trains with mistake_aware_loss; rime (with `label_filter`, its state across sessions) warm-starts the model at
     the first call, then trains every epoch on the labels the filter trusts or flips, and stops on the accuracy on
-    those; the shares of the last epoch's selection come back in the stats."""
+    those; the shares of the last epoch's selection come back in the stats, with the share of the labels the teacher
+    got wrong (labels_wrong) and within each share (labels_flipped_wrong, ...: teacher_mistakes)."""
     train_idx = prefs.split(heldout=False)
     stats = {"train_loss": float("nan"), "ssl_loss": 0.0, "pseudo_labels": 0, "epochs": 0, "steps": 0}
     if len(train_idx) == 0:
@@ -1141,6 +1152,10 @@ def train_reward_model(
     all_masks = torch.as_tensor(prefs.masks[train_idx], device=device, dtype=torch.float32)
     all_labels = given_labels = torch.as_tensor(prefs.labels[train_idx], device=device)
     rime = args.robust_labels == "rime" and label_filter is not None
+    if rime:
+        mistakes = teacher_mistakes(prefs, train_idx, load_objective(args.teacher_objective), rb.obs.shape[-1])
+        mistakes = torch.as_tensor(mistakes, device=device)
+        stats["labels_wrong"] = float(mistakes.float().mean())
     if rime and not label_filter.warm_started:
         stats["warm_start_loss"] = warm_start_reward_model(model, optimizer, rb, args, rng, device)
         label_filter.warm_started = True
@@ -1155,6 +1170,8 @@ def train_reward_model(
             active, labelled = torch.nonzero(trusted | flipped).flatten().cpu(), int((trusted | flipped).sum())
             shares = {"trusted": trusted, "flipped": flipped, "dropped": ~(trusted | flipped)}
             stats |= {f"labels_{name}": float(mask.float().mean()) for name, mask in shares.items()}
+            # and how many of each the teacher got wrong (NaN for none): a flip should fix a mistake, a trust keep a truth
+            stats |= {f"labels_{name}_wrong": float(mistakes[mask].float().mean()) for name, mask in shares.items()}
             if labelled == 0:
                 break
         order = torch.argsort(torch.rand(ensemble, labelled * copies), dim=1)  # entries >= labelled are augmented copies

@@ -46,6 +46,7 @@ LOCKSTEP = [
     "feedback_schedule",
     "LabelFilter",
     "mean_preference",
+    "teacher_mistakes",
     "warm_start_reward_model",
     "train_reward_model",
     "temporal_crop_masks",

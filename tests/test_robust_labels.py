@@ -157,6 +157,8 @@ def test_rime_that_trusts_every_label_trains_as_the_plain_loss(algo):
     trusting = TrustEverything() if algo is sac_rlhf else TrustEverythingPPO()
     rime, rime_stats = fit(algo, small_args(algo, reward_net_epochs=8, robust_labels="rime"), prefs, rb, label_filter=trusting)
     assert rime_stats["labels_trusted"] == 1.0 and rime_stats["labels_flipped"] == rime_stats["labels_dropped"] == 0.0
+    assert rime_stats["labels_wrong"] == rime_stats["labels_trusted_wrong"] == 0.0  # clean labels, all trusted
+    assert math.isnan(rime_stats["labels_flipped_wrong"]) and math.isnan(rime_stats["labels_dropped_wrong"])  # none there
     assert rime_stats["epochs"] == plain_stats["epochs"] and rime_stats["train_loss"] == pytest.approx(plain_stats["train_loss"], rel=1e-5)
     for a, b in zip(plain.parameters(), rime.parameters()):
         torch.testing.assert_close(a, b)
@@ -189,6 +191,48 @@ def test_rime_drops_or_flips_the_planted_wrong_labels_more_often_than_the_clean_
     # The model learnt the true reward better than the plain loss on the same wrong labels.
     plain, _ = fit(algo, small_args(algo), prefs, rb)
     assert fresh_accuracy(algo, rime) > fresh_accuracy(algo, plain)
+
+
+def negated_reward_objective(obs, actions, states):
+    """A --teacher-objective (loaded as test_robust_labels:negated_reward_objective): the planted problem's reward reversed."""
+    return -true_step_reward(np.concatenate([obs, actions], -1))
+
+
+def fixed_selection(algo, trusted: np.ndarray, flipped: np.ndarray):
+    """A label filter that trusts and flips the same given labels every epoch."""
+
+    class FixedSelection(algo.LabelFilter):
+        def select(self, probabilities, labels, args):
+            self.epochs += 1
+            return torch.as_tensor(trusted), torch.as_tensor(flipped)
+
+    return FixedSelection()
+
+
+def test_rime_reports_how_many_labels_the_teacher_got_wrong_in_what_it_trusted_flipped_and_dropped(algo):
+    """What a run needs to tell a selection that fixes mistakes from one that flips correct labels: the share of the
+    teacher's mistakes among the labels trusted, flipped and dropped, measured against the reward the teacher judges by
+    (the env's, or the objective's)."""
+    prefs, planted, rb = planted_problem(algo, seed=6, flipped_share=0.2)  # 60 of 300 labels wrong
+    index = np.arange(len(planted))
+    flipped = planted & (index % 3 != 0)  # two thirds of the mistakes flipped back ...
+    flipped[np.flatnonzero(~planted)[:10]] = True  # ... and ten correct labels flipped wrong
+    trusted = ~flipped & (index % 2 == 0)
+    groups = {"trusted": trusted, "flipped": flipped, "dropped": ~(trusted | flipped)}
+    args = small_args(algo, robust_labels="rime", reward_net_epochs=2)
+    _, stats = fit(algo, args, prefs, rb, label_filter=fixed_selection(algo, trusted, flipped))
+    assert stats["labels_wrong"] == pytest.approx(0.2)
+    for name, mask in groups.items():
+        assert stats[f"labels_{name}"] == pytest.approx(mask.mean())
+        assert stats[f"labels_{name}_wrong"] == pytest.approx(planted[mask].mean()), name
+    fixed = int((planted & (index % 3 != 0)).sum())
+    assert stats["labels_flipped_wrong"] == pytest.approx(fixed / (fixed + 10))
+    # Judged by an objective that reverses the env's reward, the planted labels are the right ones.
+    reversed_args = replace(args, teacher_objective="test_robust_labels:negated_reward_objective")
+    _, judged = fit(algo, reversed_args, prefs, rb, label_filter=fixed_selection(algo, trusted, flipped))
+    assert judged["labels_wrong"] == pytest.approx(0.8)
+    for name, mask in groups.items():
+        assert judged[f"labels_{name}_wrong"] == pytest.approx(1 - planted[mask].mean()), name
 
 
 def test_selection_thresholds_follow_rimes_bound():
