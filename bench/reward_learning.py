@@ -160,6 +160,10 @@ VARIANTS = {
         {"robust_labels": "rime"},
     ),
     "rime-nowarm": Variant("RIME's selection without its warm start", {"robust_labels": "rime", "rime_warm_start_steps": 0}),
+    "rime-noflip": Variant(
+        "RIME's selection and warm start, (almost) no flipping: a flip needs a probability below 1e-40",
+        {"robust_labels": "rime", "rime_flip_tau": 1e-40},
+    ),
     "rime-alpha1": Variant(
         "RIME with alpha 1 (its code's default config): a more lenient trust threshold", {"robust_labels": "rime", "rime_alpha": 1.0}
     ),
@@ -356,6 +360,12 @@ def label_error(prefs: sac_rlhf.PreferenceBuffer) -> float:
     return float(((prefs.labels > 0.5) != (true_returns[:, 1] > true_returns[:, 0]))[decided].mean())
 
 
+def selection_stats(stats: dict) -> dict:
+    """--robust-labels rime's selection in a fit's stats: the shares trusted, dropped and flipped, and the share of the
+    teacher's mistakes in all and in each (labels_wrong, labels_flipped_wrong, ...); nothing for other defences."""
+    return {name: value for name, value in stats.items() if name.startswith("labels_")}
+
+
 def run_trial(
     rb: ReplayBuffer, evals: dict[str, EvalSet], strategy: str, variant: Variant, seed: int, opts, teacher_name: str = "oracle"
 ) -> list[dict]:
@@ -397,7 +407,7 @@ def run_trial(
             }
             row |= {"fit_cpu_s": fit_cpu, "fit_wall_s": fit_wall, "pseudo_labels": stats["pseudo_labels"]}
             row["label_error"] = label_error(prefs)
-            row |= {name: stats[name] for name in ("labels_trusted", "labels_dropped", "labels_flipped") if name in stats}
+            row |= selection_stats(stats)
             row["train_acc"] = sac_rlhf.preference_accuracy(model, prefs, np.arange(len(prefs)), "cpu")
             for name, data in evals.items():
                 suffix = "" if name == "same" else "_latest"
@@ -620,7 +630,7 @@ def replay_trial(checkpoint: dict, full: ReplayBuffer, data: EvalSet, variant: V
             "epochs": stats["epochs"],
             "label_error": label_error(prefs),
         }
-        row |= {name: stats[name] for name in ("labels_trusted", "labels_dropped", "labels_flipped") if name in stats}
+        row |= selection_stats(stats)
         rows.append(row | measure(model, data))
     return rows
 
@@ -656,11 +666,15 @@ def replay_runs(opts) -> None:
             last = [rows[-1] for rows in per_seed]
             summary |= {"acc_min": min(row["acc"] for row in last), "acc_max": max(row["acc"] for row in last)}
             summary |= {"r_step": median([row["r_step"] for row in last]), "epochs": median([row["epochs"] for row in last])}
+            for name in ("flipped", "flipped_wrong", "dropped_wrong", "trusted_wrong"):  # rime's last selection
+                summary[name] = median([row.get(f"labels_{name}", float("nan")) for row in last])
             table.append(summary)
     print("\nfresh-pair accuracy on each run's final buffer after every session (s1, s2, ...), median over seeds; the range,")
-    print("the per-step correlation r_step and the epochs of the last session's fit\n")
+    print("the per-step correlation r_step and the epochs of the last session's fit; with rime, the share it flipped in that")
+    print("fit's last epoch and the teacher's error rate among the labels it flipped, dropped and trusted\n")
     sessions = sorted({key for row in table for key in row if key[0] == "s" and key[1:].isdigit()}, key=lambda key: int(key[1:]))
-    print_table(table, ["labels_of", "variant", *sessions, "acc_min", "acc_max", "r_step", "epochs"])
+    selection = ["flipped", "flipped_wrong", "dropped_wrong", "trusted_wrong"]
+    print_table(table, ["labels_of", "variant", *sessions, "acc_min", "acc_max", "r_step", "epochs", *selection])
     payload = {
         "benchmark": "reward_learning_replay",
         "command": " ".join(["python", "bench/reward_learning.py", *sys.argv[1:]]),

@@ -342,6 +342,13 @@ def test_a_rime_run_logs_its_selection_and_checkpoints_its_state(chdir_tmp, scri
     assert len(shares[0]) == summary["feedback_sessions"] == 3  # one value per session
     for values in zip(*shares):
         assert sum(value for _, value in values) == pytest.approx(1.0)
+    # The teacher's mistakes, in all and within each share, add up: sum of share x its error rate = the error rate.
+    within = [tags[f"reward_model/labels_{name}_wrong"] for name in ("trusted", "dropped", "flipped")]
+    overall = [value for _, value in tags["reward_model/labels_wrong"]]
+    assert len(overall) == 3 and max(overall) > 0  # a teacher wrong one time in five
+    for share_values, wrong_values, error_rate in zip(zip(*shares), zip(*within), overall):
+        parts = [share * wrong for (_, share), (_, wrong) in zip(share_values, wrong_values) if share > 0]
+        assert sum(parts) == pytest.approx(error_rate, abs=1e-6)
     assert len(tags["reward_model/warm_start_loss"]) == 1  # the first session only
     checkpoint = torch.load("models/rime/latest/checkpoint.pt", weights_only=False)
     assert checkpoint["label_filter"]["warm_started"] and checkpoint["label_filter"]["epochs"] >= 3
@@ -404,6 +411,7 @@ def test_the_reward_learning_bench_labels_with_a_noisy_teacher_and_reports_the_s
     assert [row["labels"] for row in rows] == [40]
     assert 0.1 <= rows[0]["label_error"] <= 0.5  # about 30 % of the labels are wrong
     assert rows[0]["labels_trusted"] + rows[0]["labels_dropped"] + rows[0]["labels_flipped"] == pytest.approx(1.0)
+    assert rows[0]["labels_wrong"] == pytest.approx(rows[0]["label_error"], abs=0.05)  # the same mistakes, all labels there
     # Medians per teacher, with acc's range over seeds and d_acc against default under the same teacher.
     trials = [
         {"env": "E", "stage": 1, "session_size": 20, "strategy": "uniform", "teacher": teacher, "variant": variant, "seed": seed,
