@@ -20,6 +20,7 @@ import argparse
 import ast
 import inspect
 import json
+import math
 import re
 import statistics
 import sys
@@ -211,7 +212,7 @@ def load_results(repo: Path) -> dict[str, dict]:
 
 
 def number(value, digits: int = 0) -> str:
-    if value is None:
+    if value is None or (isinstance(value, float) and math.isnan(value)):  # not measured (NaN: e.g. nothing flipped)
         return "–"
     if isinstance(value, bool) or not isinstance(value, int | float):
         return markdown_text(str(value))
@@ -484,6 +485,9 @@ MEASUREMENT_COLUMNS = {
         "acc_max",
         "r_step",
         "epochs",
+        "flipped",  # rime's last selection: the share flipped, and the teacher's error rate among those flipped and trusted
+        "flipped_wrong",
+        "trusted_wrong",
     ],
     "reward_learning": ["env", "stage", "strategy", "variant", "labels", "seeds", "acc", "acc_latest", "rho_step", "train_acc", "epochs"],
     # per seed in docs/environments.md: what the teacher preferred against the ceiling (SAC on the objective as reward),
@@ -571,10 +575,7 @@ def measurements_page(results: dict[str, dict]) -> str:
             rows = result.get(key)
             if isinstance(rows, list) and rows and isinstance(rows[0], dict):
                 lines += [f"`{key}`:", ""]
-                columns = MEASUREMENT_COLUMNS.get(kind) if kind else None
-                if columns and not all(column in rows[0] for column in columns):
-                    columns = None
-                lines += generic_table(rows, columns)
+                lines += generic_table(rows, measured_columns(MEASUREMENT_COLUMNS.get(kind) if kind else None, rows))
                 lines.append("")
                 break
     return "\n".join(lines)
@@ -593,6 +594,18 @@ def measurements_page(results: dict[str, dict]) -> str:
 TABLE_MARKER = re.compile(r"(<!-- table: (\w+) ([^>]*?) -->\n)(.*?)(<!-- /table -->)", re.S)
 
 
+NEWER_COLUMNS = {"flipped", "flipped_wrong", "trusted_wrong"}
+"""MEASUREMENT_COLUMNS that files written before them lack: shown only where some row has them."""
+
+
+def measured_columns(columns: list[str] | None, rows: list[dict], strict: bool = True) -> list[str] | None:
+    """A kind's columns for these rows, the newer ones only where some row has them. `strict` (the measurements page):
+    None, every key, when the first row lacks one of the others (a file of another shape under the same prefix)."""
+    if not columns or (strict and not all(column in rows[0] for column in columns if column not in NEWER_COLUMNS)):
+        return None
+    return [column for column in columns if column not in NEWER_COLUMNS or any(column in row for row in rows)]
+
+
 def marked_table(kind: str, stems: list[str], results: dict[str, dict], where: str, repo: Path = REPO) -> str:
     missing = [stem for stem in stems if stem not in results]
     if missing:
@@ -604,11 +617,14 @@ def marked_table(kind: str, stems: list[str], results: dict[str, dict], where: s
         return "\n".join(gap_table(results[stems[0]])) + "\n"
     if kind == "noise":
         return "\n".join(noise_table([results[stem] for stem in stems], repo)) + "\n"
-    if kind == "rows":
-        result = results[stems[0]]
-        rows = next(result[key] for key in ("rows", "results", "medians") if isinstance(result.get(key), list))
+    if kind == "rows":  # the files' rows one after another, in the columns of the first file's kind
+        rows = [
+            row
+            for stem in stems
+            for row in next(results[stem][key] for key in ("rows", "results", "medians") if isinstance(results[stem].get(key), list))
+        ]
         kind_columns = next((columns for prefix, columns in MEASUREMENT_COLUMNS.items() if stems[0].startswith(prefix)), None)
-        return "\n".join(generic_table(rows, kind_columns)) + "\n"
+        return "\n".join(generic_table(rows, measured_columns(kind_columns, rows, strict=False))) + "\n"
     raise SystemExit(f"{where}: unknown table kind {kind!r} (feedback, rows, gap, noise)")
 
 

@@ -376,3 +376,19 @@ def test_a_feedback_command_is_rebuilt_with_switches_as_bare_flags_and_reused_re
         "python bench/feedback_efficiency.py --env-id Hopper-v5 --reuse-finished --baseline-from bench/results/a.json "
         "--oracle-from bench/results/b.json"
     )
+
+
+def test_a_rows_table_pools_its_files_in_their_kinds_columns_and_leaves_out_columns_no_file_has():
+    """`<!-- table: rows <stems> -->` with several replay files: the rows of each, in order, in the replay columns; a
+    column only newer files have shows "–" for the older rows (NaN too: nothing was flipped), and one no file has is
+    left out instead of emptying the table."""
+    sessions = {f"s{session}": 0.5 for session in range(1, 11)}
+    common = {"acc_min": 0.5, "acc_max": 0.6, "r_step": 0.3, "epochs": 2} | sessions
+    older = {"medians": [{"labels_of": "none, seed 1", "variant": "rime"} | common]}
+    newer = {"medians": [{"labels_of": "rime, seed 2", "variant": "default", "flipped": float("nan")} | common]}
+    page = "<!-- table: rows reward_learning_replay_a reward_learning_replay_b -->\n<!-- /table -->\n"
+    lines = gen_docs.fill_tables(page, {"reward_learning_replay_a": older, "reward_learning_replay_b": newer}, "page.md").splitlines()
+    assert lines[1].endswith("| r_step | epochs | flipped |") and "flipped_wrong" not in lines[1]
+    assert lines[3].startswith("| none, seed 1 | rime | 0.500 |") and lines[3].endswith("| 0.300 | 2 | – |")
+    assert lines[4].startswith("| rime, seed 2 | default |") and lines[4].endswith("| 2 | – |")
+    assert lines[5] == "<!-- /table -->"
