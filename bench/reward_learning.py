@@ -354,10 +354,11 @@ def fit_session(
 
 
 def label_error(prefs: sac_rlhf.PreferenceBuffer) -> float:
-    """The labels' own error rate against the true reward (ties, of the returns or of the labels, left out)."""
+    """The labels' own error rate against the true reward (sac_rlhf.teacher_mistakes; ties, of the returns or of the
+    labels, left out of the count)."""
     true_returns = (prefs.true_rewards * prefs.masks).sum(-1)
     decided = (true_returns[:, 0] != true_returns[:, 1]) & (prefs.labels != 0.5)
-    return float(((prefs.labels > 0.5) != (true_returns[:, 1] > true_returns[:, 0]))[decided].mean())
+    return float(sac_rlhf.teacher_mistakes(prefs, np.arange(len(prefs)), None, prefs.obs_actions.shape[-1])[decided].mean())
 
 
 def selection_stats(stats: dict) -> dict:
@@ -635,6 +636,11 @@ def replay_trial(checkpoint: dict, full: ReplayBuffer, data: EvalSet, variant: V
     return rows
 
 
+REPLAY_SELECTION = ("flipped", "flipped_wrong", "dropped_wrong", "trusted_wrong")
+"""rime's last selection in a replay's table (medians over seeds): the share flipped, the teacher's error rate among
+the labels flipped, dropped and trusted (labels_<name> in a fit's stats)"""
+
+
 def replay_runs(opts) -> None:
     torch.set_num_threads(opts.threads)
     unknown = [v for v in opts.variants if v not in VARIANTS]
@@ -666,15 +672,14 @@ def replay_runs(opts) -> None:
             last = [rows[-1] for rows in per_seed]
             summary |= {"acc_min": min(row["acc"] for row in last), "acc_max": max(row["acc"] for row in last)}
             summary |= {"r_step": median([row["r_step"] for row in last]), "epochs": median([row["epochs"] for row in last])}
-            for name in ("flipped", "flipped_wrong", "dropped_wrong", "trusted_wrong"):  # rime's last selection
+            for name in REPLAY_SELECTION:
                 summary[name] = median([row.get(f"labels_{name}", float("nan")) for row in last])
             table.append(summary)
     print("\nfresh-pair accuracy on each run's final buffer after every session (s1, s2, ...), median over seeds; the range,")
     print("the per-step correlation r_step and the epochs of the last session's fit; with rime, the share it flipped in that")
     print("fit's last epoch and the teacher's error rate among the labels it flipped, dropped and trusted\n")
     sessions = sorted({key for row in table for key in row if key[0] == "s" and key[1:].isdigit()}, key=lambda key: int(key[1:]))
-    selection = ["flipped", "flipped_wrong", "dropped_wrong", "trusted_wrong"]
-    print_table(table, ["labels_of", "variant", *sessions, "acc_min", "acc_max", "r_step", "epochs", *selection])
+    print_table(table, ["labels_of", "variant", *sessions, "acc_min", "acc_max", "r_step", "epochs", *REPLAY_SELECTION])
     payload = {
         "benchmark": "reward_learning_replay",
         "command": " ".join(["python", "bench/reward_learning.py", *sys.argv[1:]]),
