@@ -206,6 +206,20 @@ def longer_runs(workdir: Path, script: str, flags: list[str]) -> list[Path]:
     ]
 
 
+def defence_name(settings: dict, flip_default: float, warm_default: int) -> str:
+    """A run's --robust-labels as tables name it, from its recorded settings: a rime run whose flip threshold or warm
+    start is not the scripts' default (e.g. drop-only, or no warm start) is named with it. Settings recorded before a
+    flag existed count as its default."""
+    defence = settings.get("robust_labels") or "none"
+    if defence != "rime":
+        return defence
+    flip_tau = settings.get("rime_flip_tau", flip_default)
+    warm = settings.get("rime_warm_start_steps", warm_default)
+    changed = [f"flip τ {flip_tau:g}"] if flip_tau != flip_default else []
+    changed += ["no warm start" if warm == 0 else f"warm start {warm} steps"] if warm != warm_default else []
+    return f"rime ({', '.join(changed)})" if changed else defence
+
+
 def print_table(rows: list[dict], columns: list[str]) -> None:
     widths = [max(len(c), *(len(fmt(r.get(c))) for r in rows)) for c in columns]
     print("  ".join(c.ljust(w) for c, w in zip(columns, widths)))

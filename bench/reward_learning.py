@@ -75,7 +75,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn as nn
-from common import REPO, machine_info, print_table, read_summary, start_script, wait_all, write_json
+from common import REPO, defence_name, machine_info, print_table, read_summary, start_script, wait_all, write_json
 from scipy.stats import rankdata
 
 import sac_rlhf
@@ -652,6 +652,7 @@ def replay_runs(opts) -> None:
         data = EvalSet.from_buffer(full, opts.eval_pairs, opts.eval_segment_length, (EVAL_SEED, full.size))
         recorded = checkpoint["args"]
         run = checkpoint["run_name"]
+        defence = defence_name(recorded, sac_rlhf.Args.rime_flip_tau, sac_rlhf.Args.rime_warm_start_steps)
         runs_info[run] = {
             "folder": str(folder), "env_id": recorded["env_id"], "seed": recorded["seed"], "robust_labels": recorded.get("robust_labels", "none"),
             "teacher_eps_mistake": recorded.get("teacher_eps_mistake"), "teacher_beta": recorded.get("teacher_beta"),
@@ -666,7 +667,7 @@ def replay_runs(opts) -> None:
                 per_seed.append(rows)
                 accuracies = " ".join(f"{row['acc']:.2f}" for row in rows)
                 print(f"{run} {variant} seed {seed}: acc per session {accuracies}", flush=True)
-            summary = {"run": run, "labels_of": f"{runs_info[run]['robust_labels']}, seed {recorded['seed']}", "variant": variant}
+            summary = {"run": run, "labels_of": f"{defence}, seed {recorded['seed']}", "variant": variant}
             for session_rows in zip(*per_seed):
                 summary[f"s{session_rows[0]['session']}"] = round(median([row["acc"] for row in session_rows]), 3)
             last = [rows[-1] for rows in per_seed]

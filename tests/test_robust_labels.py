@@ -2,6 +2,7 @@
 likelihood (`smooth`) and RIME's sample selection with its warm start (`rime`), checked on a synthetic problem whose
 true reward is known and whose wrong labels are planted, so that which labels are wrong is known too."""
 
+import json
 import math
 import subprocess
 import sys
@@ -453,5 +454,13 @@ def test_the_replay_fits_a_finished_runs_own_labels_session_by_session_with_the_
     reverse = bench.replay_trial(inverted, full, data, bench.VARIANTS["default"], 1)
     assert reverse[-1]["label_error"] == 1.0
     assert reverse[-1]["acc"] < 0.4 and given[-1]["acc"] > 0.6
+    # the table names whose labels they are with the run's defence, its non-default warm start included
+    opts = bench.argparse.Namespace(
+        runs=[Path("models/replayed/latest")], variants=["default"], seeds=[1], eval_pairs=300,
+        eval_segment_length=args.segment_length, threads=1, output="replay.json",
+    )  # fmt: skip
+    bench.replay_runs(opts)
+    table = json.loads(Path("replay.json").read_text())["medians"]
+    assert [row["labels_of"] for row in table] == [f"rime (warm start 50 steps), seed {args.seed}"]
     with pytest.raises(SystemExit, match="no checkpoint.pt and replay_buffer.npz there"):
         bench.load_run(Path("models/no_such_run/latest"))
