@@ -192,6 +192,32 @@ def resumable_run(workdir: Path, script: str, flags: list[str]) -> Path | None:
     return furthest
 
 
+def resumed_flags(workdir: Path, script: str, flags: list[str]) -> tuple[list[str], str] | None:
+    """--resume-unfinished: (the flags that continue the run of `script` started with `flags` that stopped furthest
+    before its end, under its own name and from its last checkpoint; that name), or None where no such run stopped
+    after a checkpoint (resumable_run)."""
+    if (stopped := resumable_run(workdir, script, flags)) is None:
+        return None
+    name_at = flags.index("--run-name") + 1
+    return [*flags[:name_at], stopped.name, *flags[name_at + 1 :], "--resume", f"models/{stopped.name}/latest"], stopped.name
+
+
+def add_resume_arguments(parser, checkpoint_frequency: int) -> None:
+    """The flags with which a benchmark longer than one sitting continues where its runs stopped: one owner for both."""
+    parser.add_argument(
+        "--resume-unfinished",
+        action="store_true",
+        help="runs in --workdir that were started with the same flags and stopped before their end (the machine or the "
+        "session went away, Ctrl-C) continue from their last checkpoint instead of starting again, under their own name",
+    )
+    parser.add_argument(
+        "--checkpoint-frequency",
+        type=int,
+        default=checkpoint_frequency,
+        help="steps between each run's checkpoints (what --resume-unfinished continues from; they change no result; 0: none)",
+    )
+
+
 def longer_runs(workdir: Path, script: str, flags: list[str]) -> list[Path]:
     """Run directories in `workdir`/runs of `script` started with `flags` but a larger --total-timesteps, finished or
     not: a run's first N steps do not depend on how many follow (tests/test_end_to_end.py), so up to N they are the

@@ -26,7 +26,9 @@ Meta-World also the final success rate of each;
 with --target-return, the first evaluation step at which each run reached that mean return; with --oracle-from, the
 return against the oracle teacher's (oracle_ratio, oracle_last_ratio). --reuse-finished reads runs in --workdir that
 finished with exactly the flags this invocation would start them with, or with them but more steps (read at this
-invocation's last evaluation, finished or not).
+invocation's last evaluation, finished or not). --resume-unfinished continues runs of this invocation's flags that
+stopped before their end from their last checkpoint (every --checkpoint-frequency steps): a 100k-step walker-walk run
+takes about an hour here, and the seeds of a setting take longer than one sitting.
 Targets (issue 2): ratio >= 0.9, accuracy >= 0.9, correlation >= 0.8.
 """
 
@@ -40,11 +42,13 @@ from pathlib import Path
 
 from common import (
     REPO,
+    add_resume_arguments,
     earlier_run,
     longer_runs,
     machine_info,
     print_table,
     read_summary,
+    resumed_flags,
     run_pool,
     spread,
     start_script,
@@ -142,7 +146,7 @@ def pebble_flags(args, seed: int, run_name: str) -> list[str]:
         "--teacher-feedback-num-queries-per-session", str(per_session),
         "--teacher-feedback-frequency", str(args.feedback_frequency),
         "--evaluation-frequency", str(args.evaluation_frequency), "--evaluation-episodes", str(args.evaluation_episodes),
-        "--checkpoint-frequency", "0", *variant_flags(args.variant, args.env_id), *teacher_flags(args),
+        "--checkpoint-frequency", str(args.checkpoint_frequency), *variant_flags(args.variant, args.env_id), *teacher_flags(args),
     ]  # fmt: skip
 
 
@@ -157,7 +161,7 @@ def baseline_flags(args, seed: int, run_name: str) -> list[str]:
     return [
         "--env-id", args.env_id, "--seed", str(seed), "--total-timesteps", str(args.steps),
         "--evaluation-frequency", str(args.evaluation_frequency), "--evaluation-episodes", str(args.evaluation_episodes),
-        *extra, "--run-name", run_name,
+        "--checkpoint-frequency", str(args.checkpoint_frequency), *extra, "--run-name", run_name,
     ]  # fmt: skip
 
 
@@ -303,6 +307,19 @@ def reused_run(workdir: Path, script: str, flags: list[str], steps: int) -> tupl
     return None
 
 
+def planned_run(args, script: str, flags: list[str]) -> tuple[str, dict | None, list[str] | None]:
+    """(the run directory this invocation reads `script` with `flags` from, its figures at --steps where it is a longer
+    run, the flags to start it with or None where it is only read): --reuse-finished reads one that finished (or a
+    longer one, reused_run); --resume-unfinished continues one that stopped before its end from its last checkpoint,
+    under its own name (resumed_flags); else the run starts as `flags` say."""
+    if args.reuse_finished and (reuse := reused_run(args.workdir, script, flags, args.steps)) is not None:
+        return (*reuse, None)
+    if args.resume_unfinished and (resumed := resumed_flags(args.workdir, script, flags)) is not None:
+        print(f"resuming {resumed[1]}: stopped before its end, started with the same flags")
+        return resumed[1], None, resumed[0]
+    return flags[flags.index("--run-name") + 1], None, flags
+
+
 def first_step_reaching(curve: list[list[float]] | None, target: float) -> int | None:
     """The first evaluation step whose mean return is >= target (None: never or no curve)."""
     return next((step for step, value in curve or [] if value >= target), None)
@@ -348,6 +365,7 @@ def main() -> None:
         help="runs in --workdir that finished with exactly the flags this invocation would start them with are read, not rerun; "
         "so are runs started with them but more steps (finished or not) that evaluated at this invocation's last step, read there",
     )  # fmt: skip
+    add_resume_arguments(parser, checkpoint_frequency=10_000)
     parser.add_argument(
         "--parallel", type=int, default=2, help="runs at once (one torch thread each; the next starts when any ends): the cores to use"
     )
@@ -383,10 +401,10 @@ def main() -> None:
         if seed not in reused:
             wanted.append((base, base_script, baseline_flags(args, seed, f"bench_{base}_{tag}")))
         for name, script, flags in wanted:
-            reuse = reused_run(args.workdir, script, flags, args.steps) if args.reuse_finished else None
-            if reuse is None:
-                jobs.append((seed, name, script, flags))
-            run_dirs[seed, name] = reuse or (flags[flags.index("--run-name") + 1], None)
+            run_name, longer, start = planned_run(args, script, flags)
+            if start is not None:
+                jobs.append((seed, name, script, start))
+            run_dirs[seed, name] = (run_name, longer)
     names = [flags[flags.index("--run-name") + 1] for *_, flags in jobs]
     run_pool(
         [

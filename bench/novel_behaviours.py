@@ -23,7 +23,18 @@ import statistics
 import time
 from pathlib import Path
 
-from common import REPO, earlier_run, machine_info, print_table, read_summary, resumable_run, run_pool, start_script, write_json
+from common import (
+    REPO,
+    add_resume_arguments,
+    earlier_run,
+    machine_info,
+    print_table,
+    read_summary,
+    resumed_flags,
+    run_pool,
+    start_script,
+    write_json,
+)
 from feedback_efficiency import eval_curve, last_evaluations_mean
 
 WINDMILL = "cleanrlhf_utils.example_envs.windmill:Windmill-v0"
@@ -91,12 +102,10 @@ def start_unless_finished(args, jobs: list, script: str, flags: list[str], run_n
     if args.reuse_finished and (finished := earlier_run(args.workdir, script, flags, finished=True)) is not None:
         print(f"reusing {finished.name}: finished with the same flags")
         return finished
-    if args.resume_unfinished and (stopped := resumable_run(args.workdir, script, flags)) is not None:
-        print(f"resuming {stopped.name}: stopped before its end, started with the same flags")
-        name_at = flags.index("--run-name") + 1
-        resumed = [*flags[:name_at], stopped.name, *flags[name_at + 1 :], "--resume", f"models/{stopped.name}/latest"]
-        jobs.append((script, resumed, stopped.name))
-        return stopped
+    if args.resume_unfinished and (resumed := resumed_flags(args.workdir, script, flags)) is not None:
+        print(f"resuming {resumed[1]}: stopped before its end, started with the same flags")
+        jobs.append((script, *resumed))
+        return args.workdir / "runs" / resumed[1]
     jobs.append((script, flags, run_name))
     return args.workdir / "runs" / run_name
 
@@ -130,19 +139,7 @@ def main() -> None:
         help="runs in --workdir that finished with exactly the flags this invocation would start them with (an "
         "invocation cut off after its runs ended, or one given another seed) are read, not run again",
     )
-    parser.add_argument(
-        "--resume-unfinished",
-        action="store_true",
-        help="runs in --workdir that were started with the same flags and stopped before their end (the machine or the "
-        "session went away, Ctrl-C) continue from their last checkpoint instead of starting again: a 300k-step backflip "
-        "and its ceiling take longer than one sitting here",
-    )
-    parser.add_argument(
-        "--checkpoint-frequency",
-        type=int,
-        default=10_000,
-        help="steps between each run's checkpoints (what --resume-unfinished continues from; they change no result)",
-    )
+    add_resume_arguments(parser, checkpoint_frequency=10_000)  # a 300k-step backflip outlasts a sitting here
     parser.add_argument("--parallel", type=int, default=2)
     parser.add_argument("--workdir", type=Path, default=REPO / "bench" / "workdir" / "novel_behaviours")
     parser.add_argument("--output", type=Path, default=REPO / "bench" / "results" / "novel_behaviours_windmill.json")

@@ -99,6 +99,7 @@ def bench_settings(**changes):
     settings = dict(
         algorithm="sac", env_id="CartPole-v1", steps=100_000, labels=200, sessions=10, feedback_frequency=5000,
         explore_steps=10_000, evaluation_frequency=10_000, evaluation_episodes=10, variant="pebble",
+        checkpoint_frequency=10_000,
     )  # fmt: skip
     return argparse.Namespace(**(settings | changes))
 
@@ -283,3 +284,49 @@ def test_a_longer_run_with_the_same_flags_is_read_at_this_invocations_last_evalu
     assert figures["sps"] == 30.0 and figures["reward_correlation"] is None  # not logged there
     shorter = feedback_efficiency.pebble_flags(bench_settings(env_id="Hopper-v5", steps=500, teacher_eps_mistake=0.2), 1, "wanted")
     assert feedback_efficiency.reused_run(tmp_path, "sac_rlhf.py", shorter, 500) is None  # no run as long
+
+
+def test_a_stopped_run_is_resumed_from_its_furthest_checkpoint_and_a_finished_one_is_read(tmp_path):
+    """bench/feedback_efficiency.py --resume-unfinished: a run with this invocation's flags that stopped before its end
+    (the sitting ended) continues from its last checkpoint under its own name; of two such runs the furthest, never one
+    of another teacher; --reuse-finished reads a finished run first; without either flag the run starts afresh. Both
+    runs checkpoint every --checkpoint-frequency steps, or there would be nothing to resume from."""
+    import torch
+
+    import sac_rlhf
+    from cleanrlhf_utils.cli import command_line_args
+    from cleanrlhf_utils.tracking import public_settings
+
+    settings = bench_settings(env_id="Hopper-v5", steps=200, teacher_eps_mistake=0.2, checkpoint_frequency=50)
+    flags = feedback_efficiency.pebble_flags(settings, 1, "wanted")
+    assert flags[flags.index("--checkpoint-frequency") + 1] == "50"
+    baseline = feedback_efficiency.baseline_flags(settings, 1, "sac")
+    assert baseline[baseline.index("--checkpoint-frequency") + 1] == "50"
+
+    def write_run(name: str, eps: float, checkpoint_step: int | None, finished: bool = False) -> None:
+        run_flags = [*flags, "--teacher-eps-mistake", str(eps), "--run-name", name]
+        (tmp_path / "runs" / name).mkdir(parents=True)
+        recorded = json.dumps(public_settings(command_line_args(sac_rlhf.Args, run_flags)), default=str)
+        (tmp_path / "runs" / name / "args.json").write_text(recorded)
+        if finished:
+            (tmp_path / "runs" / name / "summary.json").write_text(json.dumps({"interrupted": False}))
+        if checkpoint_step is not None:
+            (tmp_path / "models" / name / "latest").mkdir(parents=True)
+            torch.save({"loop": {"global_step": checkpoint_step}}, tmp_path / "models" / name / "latest" / "checkpoint.pt")
+
+    def plan(**changes):
+        options = dict(workdir=tmp_path, steps=200, reuse_finished=True, resume_unfinished=True) | changes
+        return feedback_efficiency.planned_run(argparse.Namespace(**options), "sac_rlhf.py", flags)
+
+    write_run("a_stopped_early", 0.2, 50)
+    write_run("b_stopped_later", 0.2, 150)
+    write_run("c_other_teacher", 0.1, 190)
+    write_run("d_no_checkpoint", 0.2, None)
+    name, longer, start = plan()
+    assert (name, longer) == ("b_stopped_later", None)
+    assert start == [*flags[: flags.index("--run-name") + 1], "b_stopped_later", *flags[flags.index("--run-name") + 2 :],
+                     "--resume", "models/b_stopped_later/latest"]  # fmt: skip
+    assert plan(resume_unfinished=False) == ("wanted", None, flags)
+    write_run("e_finished", 0.2, 150, finished=True)
+    assert plan() == ("e_finished", None, None)  # read, not run
+    assert plan(reuse_finished=False)[0] == "b_stopped_later"
