@@ -1697,7 +1697,7 @@ def main(args: Args, on_evaluation: Callable[[int, float], None] | None = None) 
         )
         action_input_dim = reward_action_dim(action_space)
 
-        writer = start_logging(args, run_name, run_dir)
+        writer = start_logging(args, run_name, run_dir, resume_state["loop"]["global_step"] if resume_state else None)
         announce_run(run_name, args)
         cleanup.callback(stop_logging, args, writer)
         device, rng = seed_everything(args)  # rng: minibatches, segment and k-NN sampling, held-out split

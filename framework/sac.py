@@ -444,7 +444,7 @@ def main(args: Args, on_evaluation: Callable[[int, float], None] | None = None) 
     resume_state = load_checkpoint(Path(args.resume) / "checkpoint.pt") if args.resume else None
     run_name = args.run_name or (resume_state["run_name"] if resume_state else default_run_name(args))
     run_dir, model_dir, video_dir = Path("runs") / run_name, Path("models") / run_name, Path("videos") / run_name
-    writer = start_logging(args, run_name, run_dir)
+    writer = start_logging(args, run_name, run_dir, resume_state["loop"]["global_step"] if resume_state else None)
     announce_run(run_name, args)
     try:  # closed however the run ends, e.g. when a sweep prunes it from on_evaluation
         device, rng = seed_everything(args)

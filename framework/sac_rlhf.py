@@ -1436,7 +1436,7 @@ def main(args: Args, on_evaluation: Callable[[int, float], None] | None = None) 
         frozen = args.reward_model_from is not None  # SAC on another run's reward model: no exploration, no sessions
         frozen_model = load_frozen_reward_model(args.reward_model_from, args.env_id, obs_dim + action_dim) if frozen else None
 
-        writer = start_logging(args, run_name, run_dir)
+        writer = start_logging(args, run_name, run_dir, resume_state["loop"]["global_step"] if resume_state else None)
         announce_run(run_name, args)
         cleanup.callback(stop_logging, args, writer)
         device, rng = seed_everything(args)  # rng: replay and segment sampling, random actions, held-out split

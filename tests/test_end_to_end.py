@@ -1,6 +1,7 @@
 """End-to-end runs of sac_rlhf.main on Hopper-v5: outputs, checkpoints, exact resume."""
 
 import json
+import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -9,6 +10,8 @@ import pytest
 import torch
 
 import sac_rlhf
+
+FRAMEWORK = Path(__file__).resolve().parents[1] / "framework"
 
 
 def small_args(run_name: str, **overrides) -> sac_rlhf.Args:
@@ -279,3 +282,66 @@ def test_a_runs_first_steps_do_not_depend_on_how_many_follow(chdir_tmp):
         short, long = (scalars(Path(f"runs/{kind}_{steps}"))["eval/mean_return"] for steps in (900, 1500))
         assert [step for step, _ in short] == [300, 600, 900] and [step for step, _ in long][:3] == [300, 600, 900]
         assert short == long[:3], kind
+
+
+# A run that dies without saving (the machine or the session went away), run as its own process: every scalar reaches
+# the disk as it is logged, as a long run's older events have when it dies, and the process kills itself in the middle
+# of environment step `kill_at`.
+KILLED_RUN = """
+import os, signal, sys
+import gymnasium as gym
+from torch.utils.tensorboard import SummaryWriter
+import {module}
+
+add_scalar, env_step, calls = SummaryWriter.add_scalar, gym.vector.SyncVectorEnv.step, [0]
+
+def add_and_flush(self, *args, **kwargs):
+    add_scalar(self, *args, **kwargs)
+    self.flush()
+
+def step_until_killed(self, actions):
+    calls[0] += 1
+    if calls[0] == {kill_at}:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return env_step(self, actions)
+
+SummaryWriter.add_scalar, gym.vector.SyncVectorEnv.step = add_and_flush, step_until_killed
+{module}.main({module}.{args!r})
+"""
+
+
+@pytest.mark.parametrize(
+    "module, settings, kill_at, checkpoint_step",
+    [
+        ("sac", {"total_timesteps": 600, "evaluation_frequency": 100, "checkpoint_frequency": 200}, 550, 400),
+        ("sac_rlhf", {"evaluation_frequency": 200, "checkpoint_frequency": 400}, 1100, 800),
+    ],
+)
+def test_a_killed_run_resumed_from_its_checkpoint_logs_each_step_once(chdir_tmp, module, settings, kill_at, checkpoint_step):
+    """A run killed after its last checkpoint had logged further (an evaluation included); resumed from the checkpoint,
+    it logs those steps again. Its TensorBoard curves must read as the uninterrupted run's: each evaluation once, with
+    the same returns, and no tag with a step the uninterrupted run lacks or one after the checkpoint twice."""
+    import subprocess
+    import sys
+
+    import sac
+
+    make_args = sac_baseline_args if module == "sac" else small_args
+    main = sac.main if module == "sac" else sac_rlhf.main
+    main(make_args("whole", **settings))
+    code = KILLED_RUN.format(module=module, kill_at=kill_at, args=make_args("part", **settings))
+    died = subprocess.run([sys.executable, "-c", code], env=os.environ | {"PYTHONPATH": str(FRAMEWORK)}, capture_output=True)
+    assert died.returncode == -9, died.stderr.decode()[-2000:]
+    assert torch.load("models/part/latest/checkpoint.pt", weights_only=False)["loop"]["global_step"] == checkpoint_step
+    killed = scalars(Path("runs/part"))
+    assert max(step for step, _ in killed["eval/mean_return"]) > checkpoint_step  # it had logged past the checkpoint
+
+    main(make_args("part", **settings, resume="models/part/latest"))
+    whole, part = scalars(Path("runs/whole")), scalars(Path("runs/part"))
+    assert part["eval/mean_return"] == whole["eval/mean_return"]
+    assert set(part) == set(whole)
+    for tag, events in part.items():
+        steps = [step for step, _ in events]
+        assert set(steps) == {step for step, _ in whole[tag]}, tag
+        after = [step for step in steps if step > checkpoint_step]
+        assert len(after) == len(set(after)), tag

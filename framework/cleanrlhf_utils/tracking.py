@@ -29,8 +29,13 @@ def public_settings(args) -> dict:
     return {key: None if key in SECRET_ARGS else value for key, value in asdict(args).items()}
 
 
-def start_logging(args, run_name: str, run_dir: Path):
-    """TensorBoard (plus W&B with --track) for a run; its settings also go to runs/<run>/args.json (SECRET_ARGS as null)."""
+def start_logging(args, run_name: str, run_dir: Path, resumed_step: int | None = None):
+    """TensorBoard (plus W&B with --track) for a run; its settings also go to runs/<run>/args.json (SECRET_ARGS as null).
+    `resumed_step`: the global step of the checkpoint a resumed run continues from. What the stopped process logged
+    after it (a killed run got up to a checkpoint interval further; PrefPPO's Ctrl-C saves its iteration's start) is
+    logged again by the resumed one, so TensorBoard is told to drop the old events from the step after it on
+    (purge_step): else a curve holds those steps twice. The evaluation at the checkpoint's own step came before the
+    checkpoint and stays."""
     from torch.utils.tensorboard import SummaryWriter
 
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -47,7 +52,7 @@ def start_logging(args, run_name: str, run_dir: Path):
             save_code=True,
             dir=str(run_dir),
         )
-    writer = SummaryWriter(str(run_dir))
+    writer = SummaryWriter(str(run_dir), purge_step=None if resumed_step is None else resumed_step + 1)
     table = "\n".join(f"|{key}|{value}|" for key, value in settings.items())
     writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
     (run_dir / "args.json").write_text(json.dumps(settings, indent=2))
