@@ -75,11 +75,13 @@ def wait_all(processes: list[subprocess.Popen], names: list[str]) -> None:
             raise SystemExit(f"benchmark run {name} failed with exit code {process.returncode}")
 
 
-def run_pool(starts: list, names: list[str], parallel: int, poll_seconds: float = 2.0) -> None:
+def run_pool(starts: list, names: list[str], parallel: int, poll_seconds: float = 2.0, grace_seconds: float = 300.0) -> None:
     """Runs the jobs (`starts`: callables that start one process each) `parallel` at a time, starting the next as soon
     as any finishes: runs of unequal length (a preference run and its baseline) keep every core busy, where batches
-    would wait for the slowest of each. Stops every run still going when one fails."""
-    pending, running = list(zip(starts, names)), []
+    would wait for the slowest of each. When one fails, the others are stopped as SIGTERM stops a run (it saves the
+    checkpoint --resume-unfinished continues from); on Ctrl-C, which the terminal also sends the runs, they are given
+    the time to save. What has not stopped after `grace_seconds` is killed."""
+    pending, running, interrupted = list(zip(starts, names)), [], False
     try:
         while pending or running:
             while pending and len(running) < parallel:
@@ -92,9 +94,32 @@ def run_pool(starts: list, names: list[str], parallel: int, poll_seconds: float 
                 if process.returncode != 0:
                     raise SystemExit(f"benchmark run {name} failed with exit code {process.returncode}")
             time.sleep(poll_seconds if running else 0)
+    except KeyboardInterrupt:
+        interrupted = True  # not signalled again: a second signal would cut their saving short
+        raise
     finally:
-        for process, _ in running:
-            process.kill()
+        stop_runs([process for process, _ in running], signal_them=not interrupted, grace_seconds=grace_seconds)
+
+
+def stop_runs(processes: list[subprocess.Popen], signal_them: bool, grace_seconds: float) -> None:
+    """Stops the runs still going: SIGTERM (where `signal_them`; the scripts save a checkpoint and exit, as on Ctrl-C),
+    then up to `grace_seconds` for them to finish saving, then SIGKILL for what is left (a second Ctrl-C skips the
+    wait)."""
+    if signal_them:
+        for process in processes:
+            if process.poll() is None:
+                process.terminate()
+    deadline = time.monotonic() + grace_seconds
+    try:
+        for process in processes:
+            process.wait(timeout=max(0.0, deadline - time.monotonic()))
+    except (subprocess.TimeoutExpired, KeyboardInterrupt):
+        pass
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
 
 
 def read_summary(workdir: Path, run_name: str) -> dict:

@@ -79,6 +79,58 @@ sys.exit(7)
     assert not never_started.exists(), "a job queued after the failure must not start"
 
 
+def test_run_pool_lets_the_others_save_their_checkpoint_when_one_fails_or_on_ctrl_c(tmp_path):
+    """A failure stops the other runs as SIGTERM stops a script (it saves its checkpoint, then exits) and waits for
+    that, killing only what outlives the grace; Ctrl-C, which the terminal also sends the runs, is not signalled again
+    (a second signal would cut a save short): the pool waits for them. Before, every run still going was killed on the
+    spot, and --resume-unfinished lost up to a checkpoint interval of each."""
+    saves = f"""
+import pathlib, signal, sys, time
+def save(signum, frame):
+    time.sleep(0.5)  # writing a checkpoint takes a while
+    pathlib.Path({str(tmp_path)!r}, "saved").write_text("terminated")
+    sys.exit(143)
+signal.signal(signal.SIGTERM, save)
+pathlib.Path({str(tmp_path)!r}, "saver_started").touch()
+time.sleep(120)
+"""
+    ignores = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)"
+    fails = f"""
+import pathlib, sys, time
+while not pathlib.Path({str(tmp_path)!r}, "saver_started").exists():
+    time.sleep(0.05)
+sys.exit(7)
+"""
+    processes = []
+
+    def start(code: str):
+        processes.append(start_python(code))
+        return processes[-1]
+
+    jobs = [functools.partial(start, code) for code in (saves, ignores, fails)]
+    begun = time.monotonic()
+    with pytest.raises(SystemExit, match="run crashing failed with exit code 7"):
+        run_pool(jobs, ["saver", "stubborn", "crashing"], parallel=3, poll_seconds=0.05, grace_seconds=3)
+    assert (tmp_path / "saved").read_text() == "terminated" and processes[0].returncode == 143
+    assert processes[1].returncode == -9 and time.monotonic() - begun >= 3  # killed after the grace, not before
+
+    # Ctrl-C: the run got it from the terminal and saves on its own; the pool must wait, not signal it
+    finishes = f"""
+import pathlib, signal, time
+signal.signal(signal.SIGTERM, lambda *_: pathlib.Path({str(tmp_path)!r}, "signalled").touch())
+time.sleep(1.0)
+pathlib.Path({str(tmp_path)!r}, "finished").touch()
+"""
+
+    def ctrl_c():
+        time.sleep(0.2)
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_pool([functools.partial(start, finishes), ctrl_c], ["saving", "next"], parallel=2, poll_seconds=0.05, grace_seconds=30)
+    assert (tmp_path / "finished").exists() and not (tmp_path / "signalled").exists()
+
+
 def test_last_evaluations_mean_is_the_mean_of_the_last_three_or_nothing():
     curve = [[10_000, 300.0], [20_000, 2900.0], [30_000, 500.0], [40_000, 1400.0], [50_000, 1800.0]]
     assert feedback_efficiency.last_evaluations_mean(curve) == pytest.approx((500 + 1400 + 1800) / 3)
