@@ -158,10 +158,12 @@ BASELINE_SETTINGS = ("algorithm", "env_id", "steps", "evaluation_frequency", "ev
 def baseline_flags(args, seed: int, run_name: str) -> list[str]:
     """sac.py's (or ppo.py's) flags: the true-reward run the preference-based one is compared with."""
     extra = PPO_ENV_FLAGS.get(args.env_id, []) if args.algorithm == "ppo" else []
+    # sac.py checkpoints and resumes (--resume-unfinished); ppo.py keeps no checkpoints, and a stopped PPO run restarts
+    checkpoints = ["--checkpoint-frequency", str(args.checkpoint_frequency)] if args.algorithm == "sac" else []
     return [
         "--env-id", args.env_id, "--seed", str(seed), "--total-timesteps", str(args.steps),
         "--evaluation-frequency", str(args.evaluation_frequency), "--evaluation-episodes", str(args.evaluation_episodes),
-        "--checkpoint-frequency", str(args.checkpoint_frequency), *extra, "--run-name", run_name,
+        *checkpoints, *extra, "--run-name", run_name,
     ]  # fmt: skip
 
 

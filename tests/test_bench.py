@@ -170,6 +170,27 @@ def test_a_baseline_is_reused_exactly_when_its_run_would_be_the_same():
         assert feedback_efficiency.baseline_flags(bench_settings(**{key: value}), 1, "run") == flags, key
 
 
+@pytest.mark.parametrize("algorithm", ["sac", "ppo"])
+def test_feedback_efficiency_starts_each_script_with_flags_it_accepts(algorithm):
+    """The preference run's and the baseline's command lines parse as their scripts' own (ppo.py has no checkpoints:
+    a --checkpoint-frequency there would stop the benchmark at its first baseline)."""
+    from cleanrlhf_utils.cli import command_line_args
+
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        from common import script_module
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+    rlhf_script, _, base_script, _ = feedback_efficiency.ALGORITHMS[algorithm]
+    settings = bench_settings(algorithm=algorithm, checkpoint_frequency=5000)
+    preference = command_line_args(script_module(rlhf_script).Args, feedback_efficiency.pebble_flags(settings, 1, "a"))
+    assert preference.checkpoint_frequency == 5000 and preference.seed == 1
+    baseline = command_line_args(script_module(base_script).Args, feedback_efficiency.baseline_flags(settings, 1, "b"))
+    assert baseline.seed == 1 and baseline.run_name == "b"
+    if algorithm == "sac":  # the baseline resumes too
+        assert baseline.checkpoint_frequency == 5000
+
+
 def test_feedback_efficiency_variants_are_valid_runs_that_differ_only_as_named():
     """bench/feedback_efficiency.py --variant: each variant's flags parse and validate as sac_rlhf.py's own, and each QPA
     ablation is QPA with exactly its one part switched off (else the ablation would measure something else too)."""
