@@ -227,6 +227,15 @@ def resumed_flags(workdir: Path, script: str, flags: list[str]) -> tuple[list[st
     return [*flags[:name_at], stopped.name, *flags[name_at + 1 :], "--resume", f"models/{stopped.name}/latest"], stopped.name
 
 
+def steps_count(text: str) -> int:
+    """argparse type: a whole number of steps, 0 or more."""
+    import argparse
+
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of steps (0 or more)")
+    return int(text)
+
+
 def add_resume_arguments(parser, checkpoint_frequency: int) -> None:
     """The flags with which a benchmark longer than one sitting continues where its runs stopped: one owner for both."""
     parser.add_argument(
@@ -237,7 +246,7 @@ def add_resume_arguments(parser, checkpoint_frequency: int) -> None:
     )
     parser.add_argument(
         "--checkpoint-frequency",
-        type=int,
+        type=steps_count,
         default=checkpoint_frequency,
         help="steps between each run's checkpoints (what --resume-unfinished continues from; they change no result; 0: none)",
     )

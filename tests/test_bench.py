@@ -244,6 +244,16 @@ def test_feedback_efficiency_refuses_a_rime_setting_without_rime(flag, value):
     assert f"{flag} {value} only acts with --robust-labels rime, got smooth" in refused.stderr.splitlines()[-1]
 
 
+@pytest.mark.parametrize("script", ["feedback_efficiency.py", "novel_behaviours.py"])
+@pytest.mark.parametrize("value", ["-5", "1e4"])
+def test_a_bench_refuses_a_checkpoint_frequency_that_is_not_a_step_count(script, value):
+    """Passed on, the runs would each refuse it after the benchmark had started them: one line naming it, exit 2."""
+    bench = [sys.executable, str(REPO / "bench" / script), f"--checkpoint-frequency={value}"]
+    refused = subprocess.run(bench, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2
+    assert f"'{value}' is not a whole number of steps (0 or more)" in refused.stderr.splitlines()[-1]
+
+
 def test_throughput_runs_versions_side_by_side_on_one_thread_and_alone_on_more():
     assert throughput.run_groups(1, 0) == throughput.run_groups(1, 1) == [["this", "against"]]
     # With 2 threads each, two runs side by side would oversubscribe 2 cores: one at a time, who goes first alternating.
