@@ -1,5 +1,6 @@
 """Shared pieces of the benchmarks: machine description, running a script as a subprocess, tables."""
 
+import argparse
 import functools
 import importlib.util
 import json
@@ -229,8 +230,6 @@ def resumed_flags(workdir: Path, script: str, flags: list[str]) -> tuple[list[st
 
 def steps_count(text: str) -> int:
     """argparse type: a whole number of steps, 0 or more."""
-    import argparse
-
     if not text.isdigit():
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of steps (0 or more)")
     return int(text)
