@@ -58,7 +58,9 @@ def task_settings(args, env_id: str) -> argparse.Namespace:
     defaults = TASKS.get(env_id, {"variant": "tuned", "labels": 200})
     feedback_frequency = args.feedback_frequency or max(1, int(0.9 * args.steps / args.sessions))
     chosen = {"variant": args.variant or defaults["variant"], "labels": args.labels or defaults["labels"]}
-    return argparse.Namespace(**vars(args) | chosen | {"algorithm": "sac", "env_id": env_id, "feedback_frequency": feedback_frequency})
+    # No checkpoints: this benchmark has no --resume-unfinished (a frozen run needs its online run's final model)
+    fixed = {"algorithm": "sac", "env_id": env_id, "feedback_frequency": feedback_frequency, "checkpoint_frequency": 0}
+    return argparse.Namespace(**vars(args) | chosen | fixed)
 
 
 def run_flags(settings, kind: str, seed: int, run_name: str, online_run: str, workdir: Path) -> tuple[str, list[str]]:
