@@ -39,12 +39,15 @@ def machine_info() -> dict:
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
     except OSError:
-        commit = "unknown"
+        commit = ""
+    # a copy of the tree without its .git (a lent GPU machine) says its commit in BENCH_COMMIT
+    commit = commit or os.environ.get("BENCH_COMMIT", "unknown")
     return {
         "cpu": cpu,
         "cores": os.cpu_count(),
         "python": platform.python_version(),
         "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "platform": platform.platform(),
         "commit": commit,
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),

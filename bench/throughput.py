@@ -7,6 +7,7 @@ one torch thread per run. Targets (issue 12): sac.py >= 1.5x the steps/s of the 
     python bench/throughput.py --against HEAD~3 --rounds 5
     python bench/throughput.py --compile                 # this checkout with --compile (and --cudagraphs on a GPU)
     python bench/throughput.py --threads 2               # both versions on 2 torch threads, one run at a time
+    python bench/throughput.py --against cpu --rounds 3  # on a GPU machine: this checkout on the GPU against on the CPU
 
 How it measures. Each round runs two processes side by side, the same script from both commits, so that both see
 the same machine noise; the order of the two pairs alternates between rounds. Each process runs the script's
@@ -21,6 +22,10 @@ forward pass outside the update), counting steps at the env's step. Over a windo
 --warmup also keeps --compile's compilation out of the window. Steps/s are given by wall clock and by the process's
 CPU time; on a machine shared with other work the CPU figure is the steadier one. The split gives the window's CPU
 milliseconds per step by part; `other` is the rest (buffer, sampling, tensors from numpy, logging).
+
+--against cpu (a machine with a CUDA GPU; no git needed) compares this checkout with itself: `this` runs on the GPU
+(the scripts' default --cuda, plus --compile/--cudagraphs where given), `against` with --no-cuda, one torch thread.
+On a GPU the CPU figure counts only the host's side; the wall figure is the one to read.
 
 --threads N (N > 1, for a machine with nothing else running) gives every run N intra-op threads (--torch-threads where a
 version has it; before issue 12 the scripts took torch's default, which follows OMP_NUM_THREADS). The two runs of a pair then go one after the other instead of side by side, so that neither run's
@@ -44,6 +49,7 @@ from common import FRAMEWORK, REPO, machine_info, print_table, start_process, wa
 
 SCRIPTS = ("sac.py", "sac_rlhf.py")
 VERSIONS = ("this", "against")
+AGAINST_CPU = "cpu"  # --against: this checkout on the CPU instead of another commit
 PARTS = ("update", "env step", "reward prediction", "acting")
 
 
@@ -170,7 +176,7 @@ def measure_rounds(args, frameworks: dict[str, Path]) -> list[dict]:
                             str(start),
                             str(args.workdir / f"{names[version]}.json"),
                             *flags,
-                            *(args.speed_flags if version == "this" else []),
+                            *(args.speed_flags if version == "this" else args.against_flags),
                             "--seed",
                             str(round_ + 1),
                             "--run-name",
@@ -202,7 +208,11 @@ def main() -> None:
     if sys.argv[1:2] == ["child"]:
         return child(*sys.argv[2:])
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--against", default="257de00", help="git ref to compare with (default: the commit before issue 12)")
+    parser.add_argument(
+        "--against",
+        default="257de00",
+        help="git ref to compare with (default: the commit before issue 12), or `cpu`: this checkout with --no-cuda (on a GPU machine)",
+    )
     parser.add_argument("--env-id", default="Hopper-v5")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--window", type=int, default=2000, help="learning steps measured per run")
@@ -219,9 +229,16 @@ def main() -> None:
     args.workdir = args.workdir.resolve()
     args.speed_flags = [flag for flag, on in (("--compile", args.compile), ("--cudagraphs", args.cudagraphs)) if on]
 
-    machine, against = machine_info(), git("rev-parse", "--short", args.against)
-    with worktree(args.against) as against_framework:
-        rows = measure_rounds(args, {"this": FRAMEWORK, "against": against_framework})
+    machine = machine_info()
+    if args.against == AGAINST_CPU:
+        if not machine["gpu"]:
+            raise SystemExit("--against cpu compares the GPU with the CPU, and torch sees no CUDA GPU here: use a git ref")
+        against, args.against_flags = "--no-cuda", ["--no-cuda"]
+        rows = measure_rounds(args, {"this": FRAMEWORK, "against": FRAMEWORK})
+    else:
+        against, args.against_flags = git("rev-parse", "--short", args.against), []
+        with worktree(args.against) as against_framework:
+            rows = measure_rounds(args, {"this": FRAMEWORK, "against": against_framework})
 
     median = {
         (version, script, key): median_of(rows, version, script, lambda r, key=key: r[key])

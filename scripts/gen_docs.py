@@ -441,6 +441,8 @@ def feedback_page(repo: Path, results: dict[str, dict], plots: dict[str, Callabl
             facts.append(f"commit {machine['commit']}")
         if machine.get("date"):
             facts.append(machine["date"][:10])
+        if machine.get("gpu"):
+            facts.append(f"on {machine['gpu']} ({machine.get('cores', '?')} cores)")
         if settings.get("variant"):
             facts.append(f"variant `{settings['variant']}`")
         lines += [", ".join(facts) + ".", "", "<!-- long -->", "```bash", feedback_command(result, repo), "```", ""]
@@ -561,6 +563,8 @@ def measurements_page(results: dict[str, dict]) -> str:
             facts.append(f"commit {machine['commit']}")
         if machine.get("date"):
             facts.append(machine["date"][:10])
+        if machine.get("gpu"):
+            facts.append(f"on {machine['gpu']} ({machine.get('cores', '?')} cores)")
         lines += [", ".join(facts) + ".", ""]
         commands = result.get("commands") or ([result["command"]] if result.get("command") else [])
         if commands:
