@@ -36,12 +36,12 @@ def machine_info() -> dict:
                 break
     except OSError:
         pass
+    # BENCH_COMMIT: a copy of the tree whose .git is missing or stale (one sent to a lent GPU machine) says its commit
+    commit = os.environ.get("BENCH_COMMIT", "")
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+        commit = commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
     except OSError:
-        commit = ""
-    # a copy of the tree without its .git (a lent GPU machine) says its commit in BENCH_COMMIT
-    commit = commit or os.environ.get("BENCH_COMMIT", "unknown")
+        commit = "unknown"
     return {
         "cpu": cpu,
         "cores": os.cpu_count(),

@@ -87,12 +87,13 @@ class StepTimer:
     """Wall and CPU time of the steps from `start` on, and the CPU time of their parts, from timers wrapped around
     the functions main calls (restored afterwards)."""
 
-    def __init__(self, sac_rlhf, start: int):
+    def __init__(self, module, sac_rlhf, start: int):
         import gymnasium as gym
 
-        acting = (sac_rlhf.SACAgent, "act") if hasattr(sac_rlhf.SACAgent, "act") else (sac_rlhf.Actor, "get_action")
+        agent = module.SACAgent  # sac.py's own agent class, or the one it imports from sac_rlhf.py
+        acting = (agent, "act") if hasattr(agent, "act") else (getattr(module, "Actor", sac_rlhf.Actor), "get_action")
         self.targets = {
-            "update": (sac_rlhf.SACAgent, "update"),
+            "update": (agent, "update"),
             "env step": (gym.vector.SyncVectorEnv, "step"),
             "reward prediction": (sac_rlhf, "predict_rewards"),
             "acting": acting,
@@ -145,7 +146,7 @@ def child(framework: str, script: str, start: str, output: str, *flags: str) -> 
     run_args = tyro.cli(module.Args, args=list(flags))
     if hasattr(run_args, "torch_threads"):  # versions since issue 12 set their threads; older ones follow OMP_NUM_THREADS
         run_args.torch_threads = int(os.environ["OMP_NUM_THREADS"])
-    with StepTimer(sac_rlhf, int(start)) as timer:
+    with StepTimer(module, sac_rlhf, int(start)) as timer:
         module.main(run_args)
     Path(output).write_text(json.dumps(timer.result()))
 

@@ -81,7 +81,7 @@ from cleanrlhf_utils.tracking import (
     stop_logging,
     write_summary,
 )
-from cleanrlhf_utils.training import RunningMoments, frozen, seed_everything
+from cleanrlhf_utils.training import RunningMoments, frozen, outputs_copied, seed_everything
 
 
 @dataclass
@@ -565,6 +565,8 @@ class SACAgent:
             self.critic_step = torch.compile(self._critic_step, mode=mode)
             self.actor_step = torch.compile(self._actor_step, mode=mode)
             self.policy = torch.compile(self.actor.get_action, mode=mode)
+        if args.cudagraphs:
+            self.critic_step, self.actor_step = outputs_copied(self.critic_step), outputs_copied(self.actor_step)
 
     def reset_critic(self) -> None:
         """PEBBLE re-initialises the critic after exploration: its values were for the intrinsic reward."""

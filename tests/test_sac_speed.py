@@ -172,6 +172,50 @@ def test_compiled_update_and_acting_equal_eager():
     np.testing.assert_allclose(compiled.act(obs), expected_action, rtol=1e-4, atol=1e-5)
 
 
+def replaying_into_static_memory(function, mode=None):
+    """What --cudagraphs' torch.compile does to a function's outputs: every replay writes them into the same memory
+    (the graph's), so a tensor kept from one call holds the next call's values."""
+    memory = {}
+
+    def replay(*args):
+        for name, value in function(*args).items():
+            memory.setdefault(name, torch.empty_like(value)).copy_(value.detach())
+        return dict(memory)
+
+    return replay
+
+
+@pytest.mark.parametrize("agent_class", [SACAgent, sac.SACAgent], ids=["sac_rlhf", "sac"])
+def test_cudagraphs_update_returns_stats_that_later_replays_leave_alone(monkeypatch, agent_class):
+    """Found on an H100: with --cudagraphs the logged losses were the graphs' outputs, which the actor step's replay
+    overwrote before logging (torch raised "accessing tensor output of CUDAGraphs that has been overwritten")."""
+    monkeypatch.setattr(torch, "compile", replaying_into_static_memory)
+    args = sac.Args(actor_hidden_dim=32, critic_hidden_dim=32, batch_size=BATCH, cudagraphs=True)
+    torch.manual_seed(0)
+    agent = agent_class(OBS_DIM, gym.spaces.Box(-1.0, 1.0, (ACTION_DIM,), np.float32), args, torch.device("cpu"))
+    for optimizer in (agent.actor_optimizer, agent.q_optimizer, agent.alpha_optimizer):
+        for group in optimizer.param_groups:
+            group["capturable"] = False  # Adam's graph-capturable kernel runs on a GPU only
+    first_batch, second_batch = batches(2)
+    first = agent.update(*first_batch, global_step=0)
+    kept = {name: value.item() for name, value in first.items()}
+    second = agent.update(*second_batch, global_step=2)
+    assert {name: value.item() for name, value in first.items()} == kept
+    assert second["qf_loss"].item() != kept["qf_loss"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CI has none; bench/throughput.py --cudagraphs runs it)")
+def test_cudagraphs_update_on_a_gpu_keeps_each_updates_stats():
+    args = sac.Args(actor_hidden_dim=32, critic_hidden_dim=32, batch_size=BATCH, cudagraphs=True)
+    torch.manual_seed(0)
+    agent = SACAgent(OBS_DIM, gym.spaces.Box(-1.0, 1.0, (ACTION_DIM,), np.float32), args, torch.device("cuda"))
+    history = []
+    for step, batch in enumerate(batches(6)):
+        history.append(agent.update(*(tensor.cuda() for tensor in batch), global_step=step))
+    losses = [stats["qf_loss"].item() for stats in history]
+    assert len(set(losses)) == len(losses), losses
+
+
 def test_cudagraphs_without_a_gpu_is_refused_in_one_line(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ConfigError, match="^--cudagraphs needs a CUDA GPU") as error:

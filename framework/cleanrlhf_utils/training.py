@@ -2,6 +2,7 @@
 whether a step crossed a period."""
 
 import contextlib
+import functools
 import random
 
 import numpy as np
@@ -53,6 +54,18 @@ class RunningMoments:
 
     def load_state_dict(self, state: dict) -> None:
         self.mean, self.var, self.count = np.array(state["mean"]), np.array(state["var"]), float(state["count"])
+
+
+def outputs_copied(step):
+    """`step` (a function returning a dict of tensors) with its outputs copied as they come out. A CUDA graph
+    (--cudagraphs) returns tensors in its static memory, which the next replay of any of the run's graphs overwrites,
+    and an update's stats are read later (logging), after more replays."""
+
+    @functools.wraps(step)
+    def copied(*args):
+        return {name: value.clone() for name, value in step(*args).items()}
+
+    return copied
 
 
 @contextlib.contextmanager
