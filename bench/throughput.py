@@ -36,6 +36,7 @@ import argparse
 import importlib
 import json
 import os
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -283,6 +284,7 @@ def main() -> None:
         args.output,
         {
             "benchmark": "throughput",
+            "command": shlex.join(["python", "bench/throughput.py", *sys.argv[1:]]),
             "machine": machine,
             "against": against,
             "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
