@@ -72,6 +72,7 @@ from cleanrlhf_utils.feedback import (
 )
 from cleanrlhf_utils.objectives import Objective, apply_objective, check_objective, load_objective, segment_rewards, step_rewards
 from cleanrlhf_utils.presets import PresetArgs
+from cleanrlhf_utils.stopping import stop_between_steps, stop_here_if_requested
 from cleanrlhf_utils.tracking import (
     announce_run,
     default_run_name,
@@ -1767,93 +1768,97 @@ def main(args: Args, on_evaluation: Callable[[int, float], None] | None = None) 
         start_time, start_step, interrupted, start, last_return = time.time(), loop.global_step, False, None, float("nan")
         earlier_wall = earlier_wall_seconds(resume_state)  # training seconds before the checkpoint this run resumes from
         try:
-            while loop.iteration < num_iterations:
-                start = iteration_start(loop, parts, rng, envs, obs, rb)
-                lr = set_learning_rate(optimizer, args, loop.iteration + 1, num_iterations)
+            with stop_between_steps():
+                while loop.iteration < num_iterations:
+                    stop_here_if_requested()  # Ctrl-C, SIGTERM: stop here, between two iterations (or rewind to one)
+                    start = iteration_start(loop, parts, rng, envs, obs, rb)
+                    lr = set_learning_rate(optimizer, args, loop.iteration + 1, num_iterations)
 
-                # --- 1. rollout, copied into the replay buffer ---
-                rollout_start = loop.global_step
-                obs, finished = collect_rollout(envs, agent, obs_rms, rollout, obs, episodes, device)
-                loop.global_step += batch_size
-                teacher.training_progress(loop.global_step, loop.sessions_done, len(schedule))  # the page's news: best effort, never waits
-                loop.iteration += 1
-                step = loop.global_step
-                for t, _, episode_return, episode_length in finished:
-                    writer.add_scalar("charts/episodic_return", episode_return, rollout_start + (t + 1) * args.num_envs)
-                    writer.add_scalar("charts/episodic_length", episode_length, rollout_start + (t + 1) * args.num_envs)
-                    last_return = episode_return
-                add_rollout_to_buffer(rb, rollout)
-                obs_rms.update(rollout.raw_obs[rollout.valid])  # for the next rollout: this one keeps its statistics
+                    # --- 1. rollout, copied into the replay buffer ---
+                    rollout_start = loop.global_step
+                    obs, finished = collect_rollout(envs, agent, obs_rms, rollout, obs, episodes, device)
+                    loop.global_step += batch_size
+                    teacher.training_progress(
+                        loop.global_step, loop.sessions_done, len(schedule)
+                    )  # the page's news: best effort, never waits
+                    loop.iteration += 1
+                    step = loop.global_step
+                    for t, _, episode_return, episode_length in finished:
+                        writer.add_scalar("charts/episodic_return", episode_return, rollout_start + (t + 1) * args.num_envs)
+                        writer.add_scalar("charts/episodic_length", episode_length, rollout_start + (t + 1) * args.num_envs)
+                        last_return = episode_return
+                    add_rollout_to_buffer(rb, rollout)
+                    obs_rms.update(rollout.raw_obs[rollout.valid])  # for the next rollout: this one keeps its statistics
 
-                # --- 2. feedback session: select_queries -> teacher.label -> prefs.add -> train reward -> relabel -> reset critic ---
-                session_due = step > explore_end + loop.sessions_done * args.teacher_feedback_frequency  # (async: or later)
-                if session_due and loop.sessions_done < len(schedule) and not session.open:
-                    start.session_started = True
-                    number = loop.sessions_done + 1  # checkpoints keep the open session's pairs
-                    session.start(
-                        session.take_staged(number) or session_pairs(number, schedule, reward_model, rb, args, rng, device), number
-                    )
-                last = loop.iteration == num_iterations
-                if session.open and session.ask(teacher, label_log, args, step, last):
-                    start.session_started = True  # the RNG ran on: the rollout is collected again, the session not asked again
-                    number, next_due = session.number + 1, step > explore_end + session.number * args.teacher_feedback_frequency
-                    if session.stages_next(args, last) and number <= len(schedule) and next_due:
-                        # --feedback-async: people label the next pairs, chosen by the model as it stands, during the update
-                        session.stage(session_pairs(number, schedule, reward_model, rb, args, rng, device), number, teacher)
-                    with session.update(parts, rng, loop):  # one unit: Ctrl-C inside it saves the state before it
-                        record_labels(prefs, label_log, session, loop, heldout_fraction, rng)
-                        reward_stats = train_reward_model(reward_model, reward_optimizer, prefs, rb, args, rng, device, label_filter)
-                        relabel_replay_buffer(reward_model, rb, device, args.relabel_chunk_size)
-                        if args.reward_standardize:
-                            standardizer.refit(rb)
-                        if len(prefs) > 0 and not loop.learning_from_preferences:
-                            if args.unsupervised_exploration:  # values of the intrinsic reward mean nothing for the learned one
-                                agent.reset_critic(optimizer)
-                                return_rms.reset()
-                            loop.learning_from_preferences = True
-                        show_reward_model(teacher, reward_model, rb, args, rng, device, step)
-                        metrics = reward_model_metrics(reward_model, prefs, rb, args, teacher.labels_are_free, loop.global_step, device)
-                        log_feedback_session(writer, loop, session, reward_stats, metrics, teacher.session_measures())
+                    # --- 2. feedback session: select_queries -> teacher.label -> prefs.add -> train reward -> relabel -> reset critic ---
+                    session_due = step > explore_end + loop.sessions_done * args.teacher_feedback_frequency  # (async: or later)
+                    if session_due and loop.sessions_done < len(schedule) and not session.open:
+                        start.session_started = True
+                        number = loop.sessions_done + 1  # checkpoints keep the open session's pairs
+                        session.start(
+                            session.take_staged(number) or session_pairs(number, schedule, reward_model, rb, args, rng, device), number
+                        )
+                    last = loop.iteration == num_iterations
+                    if session.open and session.ask(teacher, label_log, args, step, last):
+                        start.session_started = True  # the RNG ran on: the rollout is collected again, the session not asked again
+                        number, next_due = session.number + 1, step > explore_end + session.number * args.teacher_feedback_frequency
+                        if session.stages_next(args, last) and number <= len(schedule) and next_due:
+                            # --feedback-async: people label the next pairs, chosen by the model as it stands, during the update
+                            session.stage(session_pairs(number, schedule, reward_model, rb, args, rng, device), number, teacher)
+                        with session.update(parts, rng, loop):  # one unit: Ctrl-C inside it saves the state before it
+                            record_labels(prefs, label_log, session, loop, heldout_fraction, rng)
+                            reward_stats = train_reward_model(reward_model, reward_optimizer, prefs, rb, args, rng, device, label_filter)
+                            relabel_replay_buffer(reward_model, rb, device, args.relabel_chunk_size)
+                            if args.reward_standardize:
+                                standardizer.refit(rb)
+                            if len(prefs) > 0 and not loop.learning_from_preferences:
+                                if args.unsupervised_exploration:  # values of the intrinsic reward mean nothing for the learned one
+                                    agent.reset_critic(optimizer)
+                                    return_rms.reset()
+                                loop.learning_from_preferences = True
+                            show_reward_model(teacher, reward_model, rb, args, rng, device, step)
+                            metrics = reward_model_metrics(reward_model, prefs, rb, args, teacher.labels_are_free, loop.global_step, device)
+                            log_feedback_session(writer, loop, session, reward_stats, metrics, teacher.session_measures())
 
-                # --- 3. the rollout's rewards (learned + RUNE, or the state entropy while exploring), GAE, PPO update ---
-                if loop.learning_from_preferences:
-                    beta = rune_beta(args.rune_beta, args.rune_beta_decay, rollout_start) if args.rune else 0.0
-                    scale = standardizer if args.reward_standardize else None
-                    relabel_rollout(reward_model, rollout, device, args.relabel_chunk_size, beta, scale)
-                    slots = rollout.rb_index[rollout.valid]
-                    rb.learned_rewards[slots], rb.reward_std[slots] = (
-                        rollout.learned_rewards[rollout.valid],
-                        rollout.reward_std[rollout.valid],
-                    )
-                    if args.rune:
-                        writer.add_scalar("rune/beta", beta, step)
-                elif args.unsupervised_exploration:
-                    explore_rewards(rollout, rb, intrinsic_rms, args, rng, device)
-                    writer.add_scalar("exploration/intrinsic_reward", float(rollout.rewards[rollout.valid].mean()), step)
-                if loop.learning_from_preferences or args.unsupervised_exploration:  # else no labels yet: nothing to learn from
-                    rewards = return_rms.scale(rollout.rewards, rollout.terminated | rollout.truncated, rollout.valid)
-                    stats = train_on_rollout(agent, optimizer, rollout, rewards, args, rng, device)
-                    writer.add_scalar("charts/learning_rate", lr, step)
-                    for name, value in stats.items():
-                        writer.add_scalar(f"losses/{name}", value, step)
-                writer.add_scalar("charts/SPS", int((step - start_step) / (time.time() - start_time)), step)
-                session_ended, start = start.session_started, None  # the iteration is complete
-                if progress is not None:
-                    progress.set_postfix(
-                        ret=f"{last_return:.0f}", eval=f"{loop.last_eval_return:.0f}", labels=loop.labels_obtained, refresh=False
-                    )
-                    progress.update(step - progress.n)
+                    # --- 3. the rollout's rewards (learned + RUNE, or the state entropy while exploring), GAE, PPO update ---
+                    if loop.learning_from_preferences:
+                        beta = rune_beta(args.rune_beta, args.rune_beta_decay, rollout_start) if args.rune else 0.0
+                        scale = standardizer if args.reward_standardize else None
+                        relabel_rollout(reward_model, rollout, device, args.relabel_chunk_size, beta, scale)
+                        slots = rollout.rb_index[rollout.valid]
+                        rb.learned_rewards[slots], rb.reward_std[slots] = (
+                            rollout.learned_rewards[rollout.valid],
+                            rollout.reward_std[rollout.valid],
+                        )
+                        if args.rune:
+                            writer.add_scalar("rune/beta", beta, step)
+                    elif args.unsupervised_exploration:
+                        explore_rewards(rollout, rb, intrinsic_rms, args, rng, device)
+                        writer.add_scalar("exploration/intrinsic_reward", float(rollout.rewards[rollout.valid].mean()), step)
+                    if loop.learning_from_preferences or args.unsupervised_exploration:  # else no labels yet: nothing to learn from
+                        rewards = return_rms.scale(rollout.rewards, rollout.terminated | rollout.truncated, rollout.valid)
+                        stats = train_on_rollout(agent, optimizer, rollout, rewards, args, rng, device)
+                        writer.add_scalar("charts/learning_rate", lr, step)
+                        for name, value in stats.items():
+                            writer.add_scalar(f"losses/{name}", value, step)
+                    writer.add_scalar("charts/SPS", int((step - start_step) / (time.time() - start_time)), step)
+                    session_ended, start = start.session_started, None  # the iteration is complete
+                    if progress is not None:
+                        progress.set_postfix(
+                            ret=f"{last_return:.0f}", eval=f"{loop.last_eval_return:.0f}", labels=loop.labels_obtained, refresh=False
+                        )
+                        progress.update(step - progress.n)
 
-                # --- evaluate, checkpoint ---
-                if explore_end > 0 and step == explore_end and not args.exploration_load:
-                    save_checkpoint(model_dir / str(step), checkpoint_state(), rb)  # reusable: --exploration-load
-                if crossed(args.evaluation_frequency, step - batch_size, step) and loop.iteration < num_iterations:
-                    loop.last_eval_return = evaluate_and_log(
-                        PPOPolicy(agent, obs_rms), args, writer, video_dir, device, step, on_evaluation
-                    )
-                human_session = session_ended and teacher.people_answer  # people's labels: what a killed run must not lose
-                if (crossed(args.checkpoint_frequency, step - batch_size, step) or human_session) and loop.iteration < num_iterations:
-                    save_checkpoint(model_dir / "latest", checkpoint_state(), rb)
+                    # --- evaluate, checkpoint ---
+                    if explore_end > 0 and step == explore_end and not args.exploration_load:
+                        save_checkpoint(model_dir / str(step), checkpoint_state(), rb)  # reusable: --exploration-load
+                    if crossed(args.evaluation_frequency, step - batch_size, step) and loop.iteration < num_iterations:
+                        loop.last_eval_return = evaluate_and_log(
+                            PPOPolicy(agent, obs_rms), args, writer, video_dir, device, step, on_evaluation
+                        )
+                    human_session = session_ended and teacher.people_answer  # people's labels: what a killed run must not lose
+                    if (crossed(args.checkpoint_frequency, step - batch_size, step) or human_session) and loop.iteration < num_iterations:
+                        save_checkpoint(model_dir / "latest", checkpoint_state(), rb)
         except KeyboardInterrupt:
             interrupted = True
             print(

@@ -39,6 +39,7 @@ from cleanrlhf_utils.envs import (
 from cleanrlhf_utils.errors import need
 from cleanrlhf_utils.evaluate import evaluate_and_log, success_summary
 from cleanrlhf_utils.objectives import apply_objective, step_rewards
+from cleanrlhf_utils.stopping import stop_between_steps, stop_here_if_requested
 from cleanrlhf_utils.tracking import (
     AGENT_MEASURES,
     RecentMeans,
@@ -475,53 +476,57 @@ def main(args: Args, on_evaluation: Callable[[int, float], None] | None = None) 
         start_time, start_step, interrupted = time.time(), loop.global_step, False
         earlier_wall = earlier_wall_seconds(resume_state)  # training seconds before the checkpoint this run resumes from
         try:
-            while loop.global_step < args.total_timesteps:
-                step = loop.global_step
-                if step < args.learning_starts:
-                    actions = rng.uniform(action_space.low, action_space.high, size=(1, action_dim)).astype(np.float32)
-                else:
-                    actions = agent.act(obs)
-                physics_state = get_physics_state(envs.envs[0])
-                autoreset = bool(autoreset_pending(envs)[0])
-                next_obs, rewards, terminations, truncations, _ = envs.step(actions)
-                if not autoreset:  # next-step autoreset: the reset step is not a transition
-                    if objective is not None:  # --reward-objective: the objective's reward of this step, not the env's
-                        rewards = step_rewards(objective, obs, actions, physics_state[None])
-                    rb.add(obs[0], next_obs[0], actions[0], rewards[0], terminations[0], loop.episode_id, physics_state)
-                    loop.episode_return, loop.episode_length = loop.episode_return + float(rewards[0]), loop.episode_length + 1
-                    if terminations[0] or truncations[0]:
-                        writer.add_scalar("charts/episodic_return", loop.episode_return, step)
-                        writer.add_scalar("charts/episodic_length", loop.episode_length, step)
-                        if progress is not None:
-                            progress.set_postfix(ret=f"{loop.episode_return:.0f}", eval=f"{loop.last_eval_return:.0f}", refresh=False)
-                        loop.episode_id, loop.episode_return, loop.episode_length = loop.episode_id + 1, 0.0, 0
-                obs = next_obs
-                loop.global_step += 1
+            with stop_between_steps():
+                while loop.global_step < args.total_timesteps:
+                    stop_here_if_requested()  # Ctrl-C, SIGTERM: stop here, between two steps, never inside one
+                    step = loop.global_step
+                    if step < args.learning_starts:
+                        actions = rng.uniform(action_space.low, action_space.high, size=(1, action_dim)).astype(np.float32)
+                    else:
+                        actions = agent.act(obs)
+                    physics_state = get_physics_state(envs.envs[0])
+                    autoreset = bool(autoreset_pending(envs)[0])
+                    next_obs, rewards, terminations, truncations, _ = envs.step(actions)
+                    if not autoreset:  # next-step autoreset: the reset step is not a transition
+                        if objective is not None:  # --reward-objective: the objective's reward of this step, not the env's
+                            rewards = step_rewards(objective, obs, actions, physics_state[None])
+                        rb.add(obs[0], next_obs[0], actions[0], rewards[0], terminations[0], loop.episode_id, physics_state)
+                        loop.episode_return, loop.episode_length = loop.episode_return + float(rewards[0]), loop.episode_length + 1
+                        if terminations[0] or truncations[0]:
+                            writer.add_scalar("charts/episodic_return", loop.episode_return, step)
+                            writer.add_scalar("charts/episodic_length", loop.episode_length, step)
+                            if progress is not None:
+                                progress.set_postfix(ret=f"{loop.episode_return:.0f}", eval=f"{loop.last_eval_return:.0f}", refresh=False)
+                            loop.episode_id, loop.episode_return, loop.episode_length = loop.episode_id + 1, 0.0, 0
+                    obs = next_obs
+                    loop.global_step += 1
 
-                if step >= args.learning_starts:
-                    idx = rb.sample_indices(args.batch_size, rng)
-                    stats = agent.update(
-                        torch.as_tensor(rb.obs[idx], device=device),
-                        torch.as_tensor(rb.actions[idx], device=device),
-                        torch.as_tensor(rb.true_rewards[idx], device=device),
-                        torch.as_tensor(rb.next_obs[idx], device=device),
-                        torch.as_tensor(rb.terminated[idx], device=device),
-                        step,
-                    )
+                    if step >= args.learning_starts:
+                        idx = rb.sample_indices(args.batch_size, rng)
+                        stats = agent.update(
+                            torch.as_tensor(rb.obs[idx], device=device),
+                            torch.as_tensor(rb.actions[idx], device=device),
+                            torch.as_tensor(rb.true_rewards[idx], device=device),
+                            torch.as_tensor(rb.next_obs[idx], device=device),
+                            torch.as_tensor(rb.terminated[idx], device=device),
+                            step,
+                        )
+                        if step % 100 == 0:
+                            for name, value in stats.items():
+                                writer.add_scalar(f"losses/{name}", float(value), step)
+                            recent.add(stats)
                     if step % 100 == 0:
-                        for name, value in stats.items():
-                            writer.add_scalar(f"losses/{name}", float(value), step)
-                        recent.add(stats)
-                if step % 100 == 0:
-                    writer.add_scalar("charts/SPS", int((loop.global_step - start_step) / (time.time() - start_time)), step)
-                    if progress is not None:
-                        progress.update(loop.global_step - progress.n)
+                        writer.add_scalar("charts/SPS", int((loop.global_step - start_step) / (time.time() - start_time)), step)
+                        if progress is not None:
+                            progress.update(loop.global_step - progress.n)
 
-                before_end = loop.global_step < args.total_timesteps
-                if args.evaluation_frequency and loop.global_step % args.evaluation_frequency == 0 and before_end:
-                    loop.last_eval_return = evaluate_and_log(agent.actor, args, writer, video_dir, device, loop.global_step, on_evaluation)
-                if args.checkpoint_frequency and loop.global_step % args.checkpoint_frequency == 0 and before_end:
-                    checkpoint(model_dir / "latest")
+                    before_end = loop.global_step < args.total_timesteps
+                    if args.evaluation_frequency and loop.global_step % args.evaluation_frequency == 0 and before_end:
+                        loop.last_eval_return = evaluate_and_log(
+                            agent.actor, args, writer, video_dir, device, loop.global_step, on_evaluation
+                        )
+                    if args.checkpoint_frequency and loop.global_step % args.checkpoint_frequency == 0 and before_end:
+                        checkpoint(model_dir / "latest")
         except KeyboardInterrupt:
             interrupted = True
             print(f"\ninterrupted at step {loop.global_step}: saving models/{run_name}/latest")

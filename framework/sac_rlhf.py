@@ -68,6 +68,7 @@ from cleanrlhf_utils.feedback import (
 )
 from cleanrlhf_utils.objectives import Objective, apply_objective, check_objective, load_objective, segment_rewards, step_rewards
 from cleanrlhf_utils.presets import PresetArgs
+from cleanrlhf_utils.stopping import stop_between_steps, stop_here_if_requested
 from cleanrlhf_utils.tracking import (
     AGENT_MEASURES,
     RecentMeans,
@@ -1496,102 +1497,113 @@ def main(args: Args, on_evaluation: Callable[[int, float], None] | None = None) 
         start_time, start_step, interrupted, recent_slots = time.time(), loop.global_step, False, None
         earlier_wall = earlier_wall_seconds(resume_state)  # training seconds before the checkpoint this run resumes from
         try:
-            while loop.global_step < args.total_timesteps:
-                step = loop.global_step
-                # --- feedback session: select_queries -> teacher.label -> prefs.add -> train reward -> relabel -> reset critic ---
-                session_due = step >= first_feedback_step + loop.sessions_done * args.teacher_feedback_frequency  # (async: or later)
-                if session_due and loop.sessions_done < len(schedule) and not session.open:
-                    number = loop.sessions_done + 1  # checkpoints keep the open session's pairs
-                    session.start(
-                        session.take_staged(number) or session_pairs(number, schedule, reward_model, rb, args, rng, device), number
-                    )
-                last = step + 1 == args.total_timesteps
-                if session.open and session.ask(teacher, label_log, args, step, last):
-                    number, next_due = session.number + 1, step >= first_feedback_step + session.number * args.teacher_feedback_frequency
-                    if session.stages_next(args, last) and number <= len(schedule) and next_due:
-                        # --feedback-async: people label the next pairs, chosen by the model as it stands, during the update
-                        session.stage(session_pairs(number, schedule, reward_model, rb, args, rng, device), number, teacher)
-                    with session.update(parts, rng, loop):  # one unit: Ctrl-C inside it saves the state before it
-                        record_labels(prefs, label_log, session, loop, heldout_fraction, rng)
-                        reward_stats = train_reward_model(reward_model, reward_optimizer, prefs, rb, args, rng, device, label_filter)
-                        relabel_replay_buffer(reward_model, rb, device, args.relabel_chunk_size)
-                        pending.clear()
-                        if args.reward_standardize:
-                            standardizer.refit(rb)
-                        if len(prefs) > 0 and not loop.learning_from_preferences:
-                            agent.reset_critic()  # Q-values of the intrinsic reward mean nothing for the learned one
-                            loop.learning_from_preferences = True
-                        show_reward_model(teacher, reward_model, rb, args, rng, device, step)
-                        metrics = reward_model_metrics(reward_model, prefs, rb, args, teacher.labels_are_free, loop.global_step, device)
-                        log_feedback_session(writer, loop, session, reward_stats, metrics, teacher.session_measures())
-                    if teacher.people_answer:
-                        checkpoint(model_dir / "latest")  # people's labels are what a killed run must not lose
-                exploring = not loop.learning_from_preferences
+            with stop_between_steps():
+                while loop.global_step < args.total_timesteps:
+                    stop_here_if_requested()  # Ctrl-C, SIGTERM: stop here, between two steps, never inside one
+                    step = loop.global_step
+                    # --- feedback session: select_queries -> teacher.label -> prefs.add -> train reward -> relabel -> reset critic ---
+                    session_due = step >= first_feedback_step + loop.sessions_done * args.teacher_feedback_frequency  # (async: or later)
+                    if session_due and loop.sessions_done < len(schedule) and not session.open:
+                        number = loop.sessions_done + 1  # checkpoints keep the open session's pairs
+                        session.start(
+                            session.take_staged(number) or session_pairs(number, schedule, reward_model, rb, args, rng, device), number
+                        )
+                    last = step + 1 == args.total_timesteps
+                    if session.open and session.ask(teacher, label_log, args, step, last):
+                        number, next_due = (
+                            session.number + 1,
+                            step >= first_feedback_step + session.number * args.teacher_feedback_frequency,
+                        )
+                        if session.stages_next(args, last) and number <= len(schedule) and next_due:
+                            # --feedback-async: people label the next pairs, chosen by the model as it stands, during the update
+                            session.stage(session_pairs(number, schedule, reward_model, rb, args, rng, device), number, teacher)
+                        with session.update(parts, rng, loop):  # one unit: Ctrl-C inside it saves the state before it
+                            record_labels(prefs, label_log, session, loop, heldout_fraction, rng)
+                            reward_stats = train_reward_model(reward_model, reward_optimizer, prefs, rb, args, rng, device, label_filter)
+                            relabel_replay_buffer(reward_model, rb, device, args.relabel_chunk_size)
+                            pending.clear()
+                            if args.reward_standardize:
+                                standardizer.refit(rb)
+                            if len(prefs) > 0 and not loop.learning_from_preferences:
+                                agent.reset_critic()  # Q-values of the intrinsic reward mean nothing for the learned one
+                                loop.learning_from_preferences = True
+                            show_reward_model(teacher, reward_model, rb, args, rng, device, step)
+                            metrics = reward_model_metrics(reward_model, prefs, rb, args, teacher.labels_are_free, loop.global_step, device)
+                            log_feedback_session(writer, loop, session, reward_stats, metrics, teacher.session_measures())
+                        if teacher.people_answer:
+                            checkpoint(model_dir / "latest")  # people's labels are what a killed run must not lose
+                    exploring = not loop.learning_from_preferences
 
-                # --- act; store the transition with the simulator state behind its observation ---
-                if step < args.learning_starts:
-                    actions = rng.uniform(action_space.low, action_space.high, size=(1, action_dim)).astype(np.float32)
-                else:
-                    actions = agent.act(obs)
-                physics_state = get_physics_state(envs.envs[0])
-                autoreset = bool(autoreset_pending(envs)[0])
-                next_obs, rewards, terminations, truncations, _ = envs.step(actions)
-                if not autoreset:  # with next-step autoreset, the step after an episode end only resets: never store it
-                    rb.add(obs[0], next_obs[0], actions[0], rewards[0], terminations[0], loop.episode_id, physics_state)
-                    if not exploring:
-                        pending.add(rb)  # its learned reward is predicted when a batch first needs it
-                    track_episode(loop, rewards[0], terminations[0] or truncations[0], writer, progress, step)
-                obs = next_obs
-                loop.global_step += 1
-                teacher.training_progress(loop.global_step, loop.sessions_done, len(schedule))  # the page's news: best effort, never waits
-
-                # --- learn: SAC on the state-entropy reward while exploring, then on the learned reward (+ RUNE) ---
-                if step >= args.learning_starts and (args.unsupervised_exploration or not exploring):
-                    hybrid = args.qpa_hybrid_ratio if not exploring and loop.sessions_done < len(schedule) else 0.0
-                    if hybrid and (recent_slots is None or loop.episode_length == 0):  # QPA's last episodes, renewed as one ends
-                        recent_slots = rb.recent_episode_slots(args.qpa_query_episodes)
-                    idx = rb.sample_indices(args.batch_size, rng, recent_slots, hybrid)
-                    batch_obs, batch_next_obs = (
-                        torch.as_tensor(rb.obs[idx], device=device),
-                        torch.as_tensor(rb.next_obs[idx], device=device),
-                    )
-                    if exploring:
-                        batch_rewards = exploration_rewards(rb, batch_next_obs, intrinsic_rms, args, rng, device)
+                    # --- act; store the transition with the simulator state behind its observation ---
+                    if step < args.learning_starts:
+                        actions = rng.uniform(action_space.low, action_space.high, size=(1, action_dim)).astype(np.float32)
                     else:
-                        pending.fill_if_sampled(predict_learned_rewards, rb, idx)
-                        batch_rewards = torch.as_tensor(rb.learned_rewards[idx], device=device)
-                        if args.rune:  # optimism in the reward model's uncertainty, decaying over the run
-                            beta = rune_beta(args.rune_beta, args.rune_beta_decay, step)
-                            batch_rewards = batch_rewards + beta * torch.as_tensor(rb.reward_std[idx], device=device)
-                    batch_actions, batch_terminated = (torch.as_tensor(array[idx], device=device) for array in (rb.actions, rb.terminated))
-                    stats = agent.update(batch_obs, batch_actions, batch_rewards, batch_next_obs, batch_terminated, step)
-                    if step % 100 == 0:
-                        for name, value in stats.items():
-                            writer.add_scalar(f"losses/{name}", float(value), step)
-                        recent.add(stats)
-                        if exploring:
-                            writer.add_scalar("exploration/intrinsic_reward", float(batch_rewards.mean()), step)
-                        elif args.rune:
-                            writer.add_scalar("rune/beta", beta, step)
-                if step % 100 == 0:
-                    writer.add_scalar("charts/SPS", int((loop.global_step - start_step) / (time.time() - start_time)), step)
-                    if progress is not None:
-                        progress.update(loop.global_step - progress.n)
+                        actions = agent.act(obs)
+                    physics_state = get_physics_state(envs.envs[0])
+                    autoreset = bool(autoreset_pending(envs)[0])
+                    next_obs, rewards, terminations, truncations, _ = envs.step(actions)
+                    if not autoreset:  # with next-step autoreset, the step after an episode end only resets: never store it
+                        rb.add(obs[0], next_obs[0], actions[0], rewards[0], terminations[0], loop.episode_id, physics_state)
+                        if not exploring:
+                            pending.add(rb)  # its learned reward is predicted when a batch first needs it
+                        track_episode(loop, rewards[0], terminations[0] or truncations[0], writer, progress, step)
+                    obs = next_obs
+                    loop.global_step += 1
+                    teacher.training_progress(
+                        loop.global_step, loop.sessions_done, len(schedule)
+                    )  # the page's news: best effort, never waits
 
-                # --- evaluate, checkpoint ---
-                exploration_ends = args.unsupervised_exploration and not frozen and loop.global_step == args.total_explore_steps
-                if exploration_ends and not args.exploration_load:
-                    checkpoint(model_dir / str(loop.global_step))  # reusable: --exploration-load
-                before_end = loop.global_step < args.total_timesteps
-                if args.evaluation_frequency and loop.global_step % args.evaluation_frequency == 0 and before_end:
-                    loop.last_eval_return = evaluate_and_log(agent.actor, args, writer, video_dir, device, loop.global_step, on_evaluation)
-                    if frozen:  # no sessions log the frozen model's metrics: the evaluations do, on this run's buffer
-                        pending.fill(predict_learned_rewards, rb)
-                        frozen_metrics = reward_model_metrics(reward_model, prefs, rb, args, True, loop.global_step, device)
-                        for name, value in frozen_metrics.items():
-                            writer.add_scalar(f"reward_model/{name}", value, loop.global_step)
-                if args.checkpoint_frequency and loop.global_step % args.checkpoint_frequency == 0 and before_end:
-                    checkpoint(model_dir / "latest")
+                    # --- learn: SAC on the state-entropy reward while exploring, then on the learned reward (+ RUNE) ---
+                    if step >= args.learning_starts and (args.unsupervised_exploration or not exploring):
+                        hybrid = args.qpa_hybrid_ratio if not exploring and loop.sessions_done < len(schedule) else 0.0
+                        if hybrid and (recent_slots is None or loop.episode_length == 0):  # QPA's last episodes, renewed as one ends
+                            recent_slots = rb.recent_episode_slots(args.qpa_query_episodes)
+                        idx = rb.sample_indices(args.batch_size, rng, recent_slots, hybrid)
+                        batch_obs, batch_next_obs = (
+                            torch.as_tensor(rb.obs[idx], device=device),
+                            torch.as_tensor(rb.next_obs[idx], device=device),
+                        )
+                        if exploring:
+                            batch_rewards = exploration_rewards(rb, batch_next_obs, intrinsic_rms, args, rng, device)
+                        else:
+                            pending.fill_if_sampled(predict_learned_rewards, rb, idx)
+                            batch_rewards = torch.as_tensor(rb.learned_rewards[idx], device=device)
+                            if args.rune:  # optimism in the reward model's uncertainty, decaying over the run
+                                beta = rune_beta(args.rune_beta, args.rune_beta_decay, step)
+                                batch_rewards = batch_rewards + beta * torch.as_tensor(rb.reward_std[idx], device=device)
+                        batch_actions, batch_terminated = (
+                            torch.as_tensor(array[idx], device=device) for array in (rb.actions, rb.terminated)
+                        )
+                        stats = agent.update(batch_obs, batch_actions, batch_rewards, batch_next_obs, batch_terminated, step)
+                        if step % 100 == 0:
+                            for name, value in stats.items():
+                                writer.add_scalar(f"losses/{name}", float(value), step)
+                            recent.add(stats)
+                            if exploring:
+                                writer.add_scalar("exploration/intrinsic_reward", float(batch_rewards.mean()), step)
+                            elif args.rune:
+                                writer.add_scalar("rune/beta", beta, step)
+                    if step % 100 == 0:
+                        writer.add_scalar("charts/SPS", int((loop.global_step - start_step) / (time.time() - start_time)), step)
+                        if progress is not None:
+                            progress.update(loop.global_step - progress.n)
+
+                    # --- evaluate, checkpoint ---
+                    exploration_ends = args.unsupervised_exploration and not frozen and loop.global_step == args.total_explore_steps
+                    if exploration_ends and not args.exploration_load:
+                        checkpoint(model_dir / str(loop.global_step))  # reusable: --exploration-load
+                    before_end = loop.global_step < args.total_timesteps
+                    if args.evaluation_frequency and loop.global_step % args.evaluation_frequency == 0 and before_end:
+                        loop.last_eval_return = evaluate_and_log(
+                            agent.actor, args, writer, video_dir, device, loop.global_step, on_evaluation
+                        )
+                        if frozen:  # no sessions log the frozen model's metrics: the evaluations do, on this run's buffer
+                            pending.fill(predict_learned_rewards, rb)
+                            frozen_metrics = reward_model_metrics(reward_model, prefs, rb, args, True, loop.global_step, device)
+                            for name, value in frozen_metrics.items():
+                                writer.add_scalar(f"reward_model/{name}", value, loop.global_step)
+                    if args.checkpoint_frequency and loop.global_step % args.checkpoint_frequency == 0 and before_end:
+                        checkpoint(model_dir / "latest")
         except KeyboardInterrupt:
             interrupted = True
             print(f"\ninterrupted at step {loop.global_step}: saving models/{run_name}/latest")

@@ -2,6 +2,7 @@
 
 import json
 import os
+import signal
 from dataclasses import replace
 from pathlib import Path
 
@@ -345,3 +346,71 @@ def test_a_killed_run_resumed_from_its_checkpoint_logs_each_step_once(chdir_tmp,
         assert set(steps) == {step for step, _ in whole[tag]}, tag
         after = [step for step in steps if step > checkpoint_step]
         assert len(after) == len(set(after)), tag
+
+
+@pytest.mark.parametrize(
+    "module, stopped_in, signum",
+    [
+        ("sac", "evaluation", signal.SIGTERM),
+        ("sac", "update", signal.SIGINT),
+        ("sac_rlhf", "evaluation", signal.SIGINT),
+        ("sac_rlhf", "reward update", signal.SIGTERM),
+    ],
+)
+def test_a_run_stopped_by_a_signal_resumes_as_the_run_that_never_stopped(chdir_tmp, module, stopped_in, signum):
+    """Ctrl-C or SIGTERM (SLURM's time limit, bench's stop) lands wherever the run is. It used to raise there, and
+    the checkpoint recorded a step whose work was half done: a run stopped in its 400-step evaluation resumed at 400
+    without it (its curve skipped the point), one stopped in an update resumed past it. Now the run stops at the
+    next step boundary (the evaluation logged, the update finished), or, inside a feedback session's reward update
+    (minutes long), at once with the state from before the update, which the resumed run redoes. Resumed, the run's
+    curves and final networks, buffers and counters are the uninterrupted run's."""
+    import sac
+    from cleanrlhf_utils.cli import RunInterrupted
+
+    make_args = sac_baseline_args if module == "sac" else small_args
+    script = sac if module == "sac" else sac_rlhf
+    settings = {"evaluation_frequency": 200} | ({"total_timesteps": 800} if module == "sac" else {})
+    script.main(make_args("whole", **settings))
+
+    # The signal as the terminal or `kill` sends it, in the middle of the chosen work (a CI job started in the
+    # background has SIGINT ignored; a terminal's Ctrl-C reaches a process whose SIGINT is at Python's default).
+    previous_sigint = signal.signal(signal.SIGINT, signal.default_int_handler)
+    calls, stop_at = [0], {"evaluation": 2, "update": 250, "reward update": 2}[stopped_in]
+
+    def signalled(real):
+        def work(*args, **kwargs):
+            calls[0] += 1
+            if calls[0] == stop_at:
+                os.kill(os.getpid(), signum)
+            return real(*args, **kwargs)
+
+        return work
+
+    with pytest.MonkeyPatch.context() as patch:  # its own: the test's monkeypatch also holds the working directory
+        if stopped_in == "evaluation":
+            patch.setattr(script, "evaluate_and_log", signalled(script.evaluate_and_log))
+        elif stopped_in == "update":
+            patch.setattr(sac.SACAgent, "update", signalled(sac.SACAgent.update))
+        else:
+            patch.setattr(sac_rlhf, "train_reward_model", signalled(sac_rlhf.train_reward_model))
+        try:
+            with pytest.raises(RunInterrupted):
+                script.main(make_args("part", **settings))
+        finally:
+            signal.signal(signal.SIGINT, previous_sigint)
+
+    saved = torch.load("models/part/latest/checkpoint.pt", weights_only=False)["loop"]
+    if stopped_in == "evaluation":  # the second evaluation (step 400) finished and was logged, then the run stopped
+        assert saved["global_step"] == 400
+        assert [step for step, _ in scalars(Path("runs/part"))["eval/mean_return"]] == [200, 400]
+    elif stopped_in == "update":  # the 250th update (step 349, learning starts at 100) finished
+        assert saved["global_step"] == 350
+    else:  # the second session's update was set aside: the run resumes by redoing it
+        assert saved["sessions_done"] == 1 and saved["global_step"] == 700
+
+    script.main(make_args("part", **settings, resume="models/part/latest"))
+    whole, part = scalars(Path("runs/whole")), scalars(Path("runs/part"))
+    assert part["eval/mean_return"] == whole["eval/mean_return"]
+    if module == "sac_rlhf":
+        assert part["reward_model/train_accuracy"] == whole["reward_model/train_accuracy"]
+    (assert_same_sac_training if module == "sac" else assert_same_training)(final_state("whole"), final_state("part"))

@@ -5,6 +5,7 @@ sac_rlhf.py (reward model, teacher, samplers, SURF, RUNE, k-NN) are checked by t
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from dataclasses import replace
@@ -505,6 +506,32 @@ def test_interrupt_resume_and_exploration_load_continue_exactly(chdir_tmp, monke
         )
     )
     assert_same_training(uninterrupted, final_state("loaded"))
+
+
+def test_a_signal_during_an_evaluation_stops_after_it_and_resumes_exactly(chdir_tmp):
+    """SIGTERM (SLURM's time limit, bench's stop) in the middle of the evaluation at 1024 steps: the iteration was
+    complete, so the checkpoint used to record 1024 without the evaluation, and the resumed run's curve skipped it.
+    The run now finishes the evaluation, stops at the iteration boundary, and resumed is the uninterrupted run."""
+    from cleanrlhf_utils.cli import RunInterrupted
+
+    pref_ppo.main(hopper_args("whole", evaluation_frequency=512))
+    real_evaluate, calls = pref_ppo.evaluate_and_log, [0]
+
+    def evaluate(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_evaluate(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:  # its own: the fixture's monkeypatch also holds the working directory
+        patch.setattr(pref_ppo, "evaluate_and_log", evaluate)
+        with pytest.raises(RunInterrupted):
+            pref_ppo.main(hopper_args("part", evaluation_frequency=512))
+    assert final_state("part")["checkpoint"]["loop"]["global_step"] == 1024
+    assert [step for step, _ in scalars(Path("runs/part"))["eval/mean_return"]] == [512, 1024]
+    pref_ppo.main(hopper_args("part", evaluation_frequency=512, resume="models/part/latest"))
+    assert scalars(Path("runs/part"))["eval/mean_return"] == scalars(Path("runs/whole"))["eval/mean_return"]
+    assert_same_training(final_state("whole"), final_state("part"))
 
 
 def test_interrupt_in_reward_update_redoes_it_exactly(chdir_tmp, monkeypatch):

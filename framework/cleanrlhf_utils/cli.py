@@ -13,6 +13,7 @@ from .arguments import given_fields, parse_args
 from .errors import ConfigError
 from .feedback import FeedbackServerError
 from .presets import PresetError, preset_default
+from .stopping import stop_signals_handled, stopped_by
 from .tracking import SECRET_ARGS
 
 HUMAN_LABEL_DEFAULTS = {"teacher_feedback_total_queries": 100, "teacher_feedback_num_queries_per_session": 10}
@@ -84,29 +85,17 @@ def resume_command(argv: list[str], checkpoint: Path) -> str:
     return shlex.join([python, argv[0], *flags, "--resume", str(checkpoint)])
 
 
-def stop_like_ctrl_c_on_sigterm() -> list[int]:
-    """SIGTERM (`kill`, SLURM's end of a job's time or a preemption, a container stopping) stops the run as Ctrl-C
-    does: it saves models/<run>/latest, stops the feedback server it started and says how to resume, where the default
-    would kill it on the spot. Later SIGTERMs are ignored while it saves. Returns the list the signal is noted in."""
-    received = []
-
-    def interrupt(signum, frame):
-        received.append(signum)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, interrupt)
-    return received
-
-
 def cli(args_class: type, main: Callable) -> None:
     """`python script.py --flags`: parse into args_class with tyro, run main, and map failures to exit codes:
     bad input 2 (one line on stderr, tyro's parse errors included), an unreachable or refusing feedback server 1,
-    Ctrl-C 130, SIGTERM 143 (after the same checkpoint as Ctrl-C)."""
+    Ctrl-C 130, SIGTERM 143 (after the same checkpoint as Ctrl-C). SIGTERM (`kill`, SLURM's end of a job's time or a
+    preemption, a container stopping) stops a run as Ctrl-C does, where the default would kill it on the spot: it
+    saves models/<run>/latest at a step boundary, stops the feedback server it started and says how to resume
+    (cleanrlhf_utils.stopping)."""
     args = command_line_args(args_class)
-    terminated = stop_like_ctrl_c_on_sigterm()
     try:
-        main(args)
+        with stop_signals_handled():
+            main(args)
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
@@ -116,4 +105,4 @@ def cli(args_class: type, main: Callable) -> None:
     except KeyboardInterrupt as interrupt:
         if isinstance(interrupt, RunInterrupted):  # the run saved its checkpoint: say how to continue it
             print(f"to resume: {resume_command(sys.argv, interrupt.checkpoint)}", flush=True)
-        sys.exit(128 + signal.SIGTERM if terminated else 130)
+        sys.exit(128 + signal.SIGTERM if stopped_by() == signal.SIGTERM else 130)

@@ -23,6 +23,7 @@ from . import protocol
 from .checkpoints import training_state
 from .envs import SegmentRenderer, check_can_render, get_physics_state, make_env, segment_frames, write_mp4
 from .errors import need
+from .stopping import stoppable_at_once
 
 
 @dataclass
@@ -436,13 +437,14 @@ class HumanTeacher(Teacher):
         self.rate_mark = None  # the time people take is not training speed
         query_ids = self.start(segments, session)
         try:
-            while True:
-                labels, annotators, answered = self.poll()
-                uploaded = sum(q is not None for q in query_ids)
-                print(f"\rfeedback session {session}: {answered.sum()}/{count} answered, {uploaded} uploaded", end="", flush=True)
-                if answered.all():
-                    break
-                time.sleep(self.poll_seconds)
+            with stoppable_at_once():  # people may take minutes: Ctrl-C keeps their answers and the session open
+                while True:
+                    labels, annotators, answered = self.poll()
+                    uploaded = sum(q is not None for q in query_ids)
+                    print(f"\rfeedback session {session}: {answered.sum()}/{count} answered, {uploaded} uploaded", end="", flush=True)
+                    if answered.all():
+                        break
+                    time.sleep(self.poll_seconds)
         except KeyboardInterrupt:
             self.stop_upload.set()
             with contextlib.suppress(Exception):  # answers given just before Ctrl-C, if the server answers at once
@@ -725,7 +727,8 @@ class FeedbackSession:
         """The unit of record + reward update + relabel: until it ends, `rollback()` is the training state from before
         it (parts' states but the teacher's, which keeps the answers it read; the RNGs; the loop's counters)."""
         self.before = copy.deepcopy(training_state({k: v for k, v in parts.items() if k != "teacher"}, rng) | {"loop": asdict(loop)})
-        yield
+        with stoppable_at_once():  # it may take minutes, and the checkpoint sets it aside exactly: Ctrl-C stops it at once
+            yield
         self.before = None
         if self.answered.all():
             self.segments, self.uploading, self.next_poll = None, False, 0
