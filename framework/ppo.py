@@ -301,8 +301,9 @@ class PPOPolicy(nn.Module):
         super().__init__()
         self.agent, self.discrete = agent, agent.discrete
         self.normalize_obs, self.clip, self.epsilon = normalizer.enabled, normalizer.clip, normalizer.epsilon
-        self.register_buffer("obs_mean", torch.as_tensor(normalizer.mean, dtype=torch.float64).clone())
-        self.register_buffer("obs_var", torch.as_tensor(normalizer.var, dtype=torch.float64).clone())
+        device = next(agent.parameters()).device  # the agent's: observations are moved to it (a GPU run's evaluation)
+        self.register_buffer("obs_mean", torch.tensor(normalizer.mean, dtype=torch.float64, device=device))
+        self.register_buffer("obs_var", torch.tensor(normalizer.var, dtype=torch.float64, device=device))
 
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
         """The same arithmetic as ObservationNormalizer.normalize (float64, then float32)."""

@@ -37,6 +37,7 @@ from cleanrlhf_utils.checkpoints import (
     earlier_wall_seconds,
     load_checkpoint,
     load_training_state,
+    rng_states,
     save_checkpoint,
     training_state,
     validate_checkpoint_args,
@@ -576,8 +577,9 @@ class PPOPolicy(nn.Module):
         super().__init__()
         self.agent, self.discrete = agent, agent.discrete
         self.normalize_obs, self.clip, self.epsilon = normalizer.enabled, normalizer.clip, normalizer.epsilon
-        self.register_buffer("obs_mean", torch.as_tensor(normalizer.mean, dtype=torch.float64).clone())
-        self.register_buffer("obs_var", torch.as_tensor(normalizer.var, dtype=torch.float64).clone())
+        device = next(agent.parameters()).device  # the agent's: observations are moved to it (a GPU run's evaluation)
+        self.register_buffer("obs_mean", torch.tensor(normalizer.mean, dtype=torch.float64, device=device))
+        self.register_buffer("obs_var", torch.tensor(normalizer.var, dtype=torch.float64, device=device))
 
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
         """The same arithmetic as ObservationNormalizer.normalize (float64, then float32)."""
@@ -1668,7 +1670,7 @@ class IterationStart:
 
 def iteration_start(loop: LoopState, parts: dict, rng, envs, obs: np.ndarray, rb: ReplayBuffer) -> IterationStart:
     states = {name: parts[name].state_dict() for name in REWOUND_PARTS}
-    states |= {"rng": rng.bit_generator.state, "torch_rng": torch.get_rng_state(), "env": capture_env_state(envs, obs)}
+    states |= rng_states(rng) | {"env": capture_env_state(envs, obs)}
     return IterationStart(loop.global_step, loop.iteration, states, (rb.pos, rb.full))
 
 

@@ -414,3 +414,18 @@ def test_a_run_stopped_by_a_signal_resumes_as_the_run_that_never_stopped(chdir_t
     if module == "sac_rlhf":
         assert part["reward_model/train_accuracy"] == whole["reward_model/train_accuracy"]
     (assert_same_sac_training if module == "sac" else assert_same_training)(final_state("whole"), final_state("part"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CI has none; run on a GPU machine)")
+def test_on_a_gpu_a_seed_gives_one_run_and_a_resumed_run_is_that_run(chdir_tmp):
+    """On a GPU the policy's action noise comes from the GPU's RNG, which checkpoints did not keep: a resumed GPU run
+    drew other actions than the run that never stopped (found on an H100). Two runs of one seed are the same run, and
+    one stopped at 700 steps and resumed is that run too."""
+    sac_rlhf.main(small_args("whole", cuda=True))
+    sac_rlhf.main(small_args("again", cuda=True))
+    whole = final_state("whole")
+    assert whole["checkpoint"]["agent"]["actor"]["fc_mean.weight"].is_cuda  # the run trained on the GPU
+    assert_same_training(whole, final_state("again"))
+    sac_rlhf.main(small_args("part", cuda=True, total_timesteps=700))
+    sac_rlhf.main(small_args("part", cuda=True, resume="models/part/latest"))
+    assert_same_training(whole, final_state("part"))

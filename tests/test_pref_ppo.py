@@ -306,6 +306,22 @@ def test_observation_normalisation_is_saved_and_applied_by_evaluation(cartpole_r
         pref_ppo.load_policy(folder / "models/nope/latest")
 
 
+@pytest.mark.parametrize("module", ["pref_ppo", "ppo"])
+def test_the_evaluation_policy_runs_where_the_agent_is(module):
+    """Found on an H100: a GPU run's evaluation failed at its first observation, because the policy kept the
+    observation statistics on the CPU and moved each observation there, away from the agent on the GPU. The meta
+    device stands in for the GPU on a machine without one: any device but the CPU shows it."""
+    import importlib
+
+    script = importlib.import_module(module)
+    space = gym.spaces.Box(-1.0, 1.0, (2,), np.float32)
+    normalizer = script.ObservationNormalizer(3)
+    normalizer.update(np.random.default_rng(0).normal(size=(10, 3)))
+    policy = script.PPOPolicy(script.Agent(3, space).to("meta"), normalizer)
+    assert policy.obs_mean.device.type == "meta"
+    assert policy.deterministic_action(torch.zeros(1, 3)).device.type == "meta"
+
+
 def test_file_mode_trains_from_the_labels_a_run_saved(cartpole_run, chdir_tmp):
     folder, _ = cartpole_run
     labels_file = folder / "runs/cartpole/labels.sqlite"

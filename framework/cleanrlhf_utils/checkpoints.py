@@ -87,11 +87,19 @@ def load_optimizer(optimizer: torch.optim.Optimizer, state: dict) -> None:
                     param_state["step"] = param_state["step"].to(device=param.device, dtype=torch.float32)
 
 
+def rng_states(rng: np.random.Generator) -> dict:
+    """The run's RNGs: numpy's, torch's, and the GPU's where the run used one (the policy's action noise is drawn
+    there: without it a resumed GPU run draws other actions than the run that never stopped)."""
+    states = {"rng": rng.bit_generator.state, "torch_rng": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda_rng"] = torch.cuda.get_rng_state()
+    return states
+
+
 def training_state(parts: dict, rng: np.random.Generator) -> dict:
     """What a checkpoint carries besides the replay buffer and the env: each part's state_dict() (networks,
-    optimisers, buffers, normalisers, teacher), numpy's and torch's RNG."""
-    state = {name: part.state_dict() for name, part in parts.items()}
-    return state | {"rng": rng.bit_generator.state, "torch_rng": torch.get_rng_state()}
+    optimisers, buffers, normalisers, teacher) and the RNGs."""
+    return {name: part.state_dict() for name, part in parts.items()} | rng_states(rng)
 
 
 OPTIONAL_PARTS = ("label_filter", "reward_standardizer")
@@ -108,6 +116,8 @@ def load_training_state(parts: dict, rng: np.random.Generator, state: dict) -> N
         part.load_state_dict(state[name])
     rng.bit_generator.state = state["rng"]
     torch.set_rng_state(state["torch_rng"])
+    if "cuda_rng" in state and torch.cuda.is_available():  # a GPU run's checkpoint; resumed on a CPU it is not needed
+        torch.cuda.set_rng_state(state["cuda_rng"])
 
 
 def earlier_wall_seconds(resume_state: dict | None) -> float:
