@@ -413,6 +413,18 @@ def curve_plot(stem: str, result: dict) -> Callable[[Path], None] | None:
     return draw
 
 
+def result_facts(stem: str, machine: dict) -> list[str]:
+    """Where a results file's figures come from: the file, the commit, the date and the GPU where there was one."""
+    facts = [f"`bench/results/{stem}.json`"]
+    if machine.get("commit"):
+        facts.append(f"commit {machine['commit']}")
+    if machine.get("date"):
+        facts.append(machine["date"][:10])
+    if machine.get("gpu"):
+        facts.append(f"on {machine['gpu']} ({machine.get('cores', '?')} cores)")
+    return facts
+
+
 def feedback_page(repo: Path, results: dict[str, dict], plots: dict[str, Callable]) -> str:
     lines = [
         GENERATED.format(source="bench/results/feedback_efficiency*.json"),
@@ -436,13 +448,7 @@ def feedback_page(repo: Path, results: dict[str, dict], plots: dict[str, Callabl
         machine = result.get("machine", {})
         settings = result.get("settings", {})
         lines += [f"## {stem} {{#{anchor(stem)}}}", ""]
-        facts = [f"`bench/results/{stem}.json`"]
-        if machine.get("commit"):
-            facts.append(f"commit {machine['commit']}")
-        if machine.get("date"):
-            facts.append(machine["date"][:10])
-        if machine.get("gpu"):
-            facts.append(f"on {machine['gpu']} ({machine.get('cores', '?')} cores)")
+        facts = result_facts(stem, machine)
         if settings.get("variant"):
             facts.append(f"variant `{settings['variant']}`")
         lines += [", ".join(facts) + ".", "", "<!-- long -->", "```bash", feedback_command(result, repo), "```", ""]
@@ -558,13 +564,7 @@ def measurements_page(results: dict[str, dict]) -> str:
             continue
         lines += [f"## {stem} {{#{anchor(stem)}}}", ""]
         machine = result.get("machine", {})
-        facts = [f"`bench/results/{stem}.json`"]
-        if machine.get("commit"):
-            facts.append(f"commit {machine['commit']}")
-        if machine.get("date"):
-            facts.append(machine["date"][:10])
-        if machine.get("gpu"):
-            facts.append(f"on {machine['gpu']} ({machine.get('cores', '?')} cores)")
+        facts = result_facts(stem, machine)
         lines += [", ".join(facts) + ".", ""]
         commands = result.get("commands") or ([result["command"]] if result.get("command") else [])
         if commands:
