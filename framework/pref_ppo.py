@@ -1780,9 +1780,8 @@ def main(args: Args, on_evaluation: Callable[[int, float], None] | None = None) 
                     rollout_start = loop.global_step
                     obs, finished = collect_rollout(envs, agent, obs_rms, rollout, obs, episodes, device)
                     loop.global_step += batch_size
-                    teacher.training_progress(
-                        loop.global_step, loop.sessions_done, len(schedule)
-                    )  # the page's news: best effort, never waits
+                    # the page's news: best effort, never waits
+                    teacher.training_progress(loop.global_step, loop.sessions_done, len(schedule))
                     loop.iteration += 1
                     step = loop.global_step
                     for t, _, episode_return, episode_length in finished:

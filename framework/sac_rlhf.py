@@ -1549,9 +1549,8 @@ def main(args: Args, on_evaluation: Callable[[int, float], None] | None = None) 
                         track_episode(loop, rewards[0], terminations[0] or truncations[0], writer, progress, step)
                     obs = next_obs
                     loop.global_step += 1
-                    teacher.training_progress(
-                        loop.global_step, loop.sessions_done, len(schedule)
-                    )  # the page's news: best effort, never waits
+                    # the page's news: best effort, never waits
+                    teacher.training_progress(loop.global_step, loop.sessions_done, len(schedule))
 
                     # --- learn: SAC on the state-entropy reward while exploring, then on the learned reward (+ RUNE) ---
                     if step >= args.learning_starts and (args.unsupervised_exploration or not exploring):
