@@ -268,18 +268,24 @@ def longer_runs(workdir: Path, script: str, flags: list[str]) -> list[Path]:
     ]
 
 
-def defence_name(settings: dict, flip_default: float, warm_default: int) -> str:
-    """A run's --robust-labels as tables name it, from its recorded settings: a rime run whose flip threshold or warm
-    start is not the scripts' default (e.g. drop-only, or no warm start) is named with it. Settings recorded before a
-    flag existed count as its default."""
+# --rime-warm-start-steps was 1000 (RIME's) until it became 0, and results written before the benchmarks recorded it
+# come from runs with those 1000 steps.
+RIME_WARM_START_BEFORE_RECORDED = 1000
+
+
+def defence_name(settings: dict, flip_default: float) -> str:
+    """A run's --robust-labels as tables name it, from its recorded settings: a rime run always says its warm start
+    (`rime (no warm start)`, `rime (warm start 1000 steps)`), so that a table reads the same whatever the scripts'
+    default, and a flip threshold that is not the scripts' default (drop-only) is named beside it. A flip threshold
+    recorded before the flag existed counts as the default; a warm start, as RIME's 1000 steps."""
     defence = settings.get("robust_labels") or "none"
     if defence != "rime":
         return defence
     flip_tau = settings.get("rime_flip_tau", flip_default)
-    warm = settings.get("rime_warm_start_steps", warm_default)
+    warm = settings.get("rime_warm_start_steps", RIME_WARM_START_BEFORE_RECORDED)
     changed = [f"flip τ {flip_tau:g}"] if flip_tau != flip_default else []
-    changed += ["no warm start" if warm == 0 else f"warm start {warm} steps"] if warm != warm_default else []
-    return f"rime ({', '.join(changed)})" if changed else defence
+    changed.append("no warm start" if warm == 0 else f"warm start {warm} steps")
+    return f"rime ({', '.join(changed)})"
 
 
 def print_table(rows: list[dict], columns: list[str]) -> None:

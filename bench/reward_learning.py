@@ -156,16 +156,20 @@ VARIANTS = {
         "mistake-aware Bradley-Terry expecting 30 % flipped labels", {"robust_labels": "smooth", "robust_label_epsilon": 0.3}
     ),
     "rime": Variant(
-        "RIME's selection and warm start (--robust-labels rime); the warm start fits the k-NN state entropy of the training buffer",
-        {"robust_labels": "rime"},
+        "RIME's selection and warm start (--robust-labels rime --rime-warm-start-steps 1000); the warm start fits the k-NN state entropy of the training buffer",
+        {"robust_labels": "rime", "rime_warm_start_steps": 1000},
     ),
-    "rime-nowarm": Variant("RIME's selection without its warm start", {"robust_labels": "rime", "rime_warm_start_steps": 0}),
+    "rime-nowarm": Variant(
+        "RIME's selection without its warm start (--robust-labels rime, the scripts' default)",
+        {"robust_labels": "rime", "rime_warm_start_steps": 0},
+    ),
     "rime-noflip": Variant(
         "RIME's selection and warm start, (almost) no flipping: a flip needs a probability below 1e-40",
-        {"robust_labels": "rime", "rime_flip_tau": 1e-40},
+        {"robust_labels": "rime", "rime_flip_tau": 1e-40, "rime_warm_start_steps": 1000},
     ),
     "rime-alpha1": Variant(
-        "RIME with alpha 1 (its code's default config): a more lenient trust threshold", {"robust_labels": "rime", "rime_alpha": 1.0}
+        "RIME with its warm start and alpha 1 (its code's default config): a more lenient trust threshold",
+        {"robust_labels": "rime", "rime_alpha": 1.0, "rime_warm_start_steps": 1000},
     ),
     # QPA's reward model (bench/feedback_efficiency.py --variant qpa on DMC; use with --strategies uniform and a
     # --session-size of 10 as a 100-label run asks): one member, 20 cropped copies of each label, inputs standardised
@@ -173,7 +177,7 @@ VARIANTS = {
     "qpa-rime": Variant("QPA's reward model with RIME", QPA_MODEL | {"robust_labels": "rime"}),
     "qpa-rime-noflip": Variant(
         "QPA's reward model with RIME's selection but (almost) no flipping: a flip needs a probability below 1e-40",
-        QPA_MODEL | {"robust_labels": "rime", "rime_flip_tau": 1e-40},
+        QPA_MODEL | {"robust_labels": "rime", "rime_flip_tau": 1e-40, "rime_warm_start_steps": 1000},
     ),
     "qpa-rime-ens3": Variant(
         "QPA's reward model with three members, with RIME", QPA_MODEL | {"robust_labels": "rime", "reward_ensemble_size": 3}
@@ -652,7 +656,7 @@ def replay_runs(opts) -> None:
         data = EvalSet.from_buffer(full, opts.eval_pairs, opts.eval_segment_length, (EVAL_SEED, full.size))
         recorded = checkpoint["args"]
         run = checkpoint["run_name"]
-        defence = defence_name(recorded, sac_rlhf.Args.rime_flip_tau, sac_rlhf.Args.rime_warm_start_steps)
+        defence = defence_name(recorded, sac_rlhf.Args.rime_flip_tau)
         runs_info[run] = {
             "folder": str(folder), "env_id": recorded["env_id"], "seed": recorded["seed"], "robust_labels": recorded.get("robust_labels", "none"),
             "teacher_eps_mistake": recorded.get("teacher_eps_mistake"), "teacher_beta": recorded.get("teacher_beta"),

@@ -308,8 +308,7 @@ class PreferenceArgs:
     """how reward learning treats labels that may be wrong: `none`, the plain Bradley-Terry loss; `smooth`, a
     mistake-aware likelihood that expects --robust-label-epsilon of the labels flipped; `rime`, RIME's sample
     selection (Cheng et al. 2024): every epoch the labels the ensemble finds plausible train as given, implausible
-    ones train flipped, the rest sit the epoch out, and the model is warm-started on the exploration reward before
-    the first session"""
+    ones train flipped, the rest sit the epoch out (RIME's warm start on the exploration reward: --rime-warm-start-steps)"""
     robust_label_epsilon: float = 0.1
     """`smooth`: the share of flipped labels the loss expects, in [0, 0.5): P(label) = (1 - eps) sigmoid(R1 - R0) +
     eps sigmoid(R0 - R1); 0 is the plain loss"""
@@ -325,9 +324,10 @@ class PreferenceArgs:
     """`rime`: reward-model epochs over which beta_t falls from --rime-beta-max to --rime-beta-min (RIME, DMC: 60)"""
     rime_flip_tau: float = 0.001
     """`rime`: a label trains flipped when the ensemble gives it a probability below this (its loss above -ln tau)"""
-    rime_warm_start_steps: int = 1000
+    rime_warm_start_steps: int = 0
     """`rime`: Adam steps (256 transitions per member each) fitting the reward model to the k-NN state-entropy reward
-    of the replay buffer before the first session's labels train it (0: no warm start)"""
+    of the replay buffer before the first session's labels train it. 0 (none) by default; RIME's is 1000, which on
+    walker-walk made the first selections flip correct labels (docs/benchmarks/findings.md, noisy teachers)"""
 
 
 def validate_preference_args(args) -> None:

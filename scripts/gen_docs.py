@@ -293,7 +293,6 @@ def noise_table(results: list[dict], repo: Path = REPO) -> list[str]:
     same setting at the same step (--oracle-from), in one block per defence, and a median row per defence over all its
     seeds: files of one defence (seeds run at different times) pool, named by bench/common.py's defence_name."""
     flip_default = args_default(repo, "sac_rlhf", "rime_flip_tau")
-    warm_default = args_default(repo, "sac_rlhf", "rime_warm_start_steps")
     lines = [
         "| defence | seed | return | oracle's return | × oracle | last-3 mean vs oracle's | last-3 × oracle "
         "| held-out accuracy | reward correlation |",
@@ -301,7 +300,7 @@ def noise_table(results: list[dict], repo: Path = REPO) -> list[str]:
     ]
     by_defence: dict[str, list[dict]] = {}
     for result in results:
-        by_defence.setdefault(defence_name(result["settings"], flip_default, warm_default), []).append(result)
+        by_defence.setdefault(defence_name(result["settings"], flip_default), []).append(result)
     for defence, pooled in by_defence.items():
         rows = sorted((row for result in pooled for row in result["rows"]), key=lambda row: row["seed"])
         for row in rows:

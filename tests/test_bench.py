@@ -234,7 +234,7 @@ def test_feedback_efficiency_passes_the_teachers_noise_and_the_defence_to_the_pr
         assert {key: getattr(defaults, key) for key in feedback_efficiency.TEACHER_FLAGS} == feedback_efficiency.TEACHER_FLAGS
 
 
-@pytest.mark.parametrize(("flag", "value"), [("--rime-flip-tau", "1e-40"), ("--rime-warm-start-steps", "0")])
+@pytest.mark.parametrize(("flag", "value"), [("--rime-flip-tau", "1e-40"), ("--rime-warm-start-steps", "1000")])
 def test_feedback_efficiency_refuses_a_rime_setting_without_rime(flag, value):
     """--rime-flip-tau or --rime-warm-start-steps without --robust-labels rime would be passed on and never act: one
     line naming both, exit 2."""
@@ -329,6 +329,12 @@ def test_the_oracle_setting_is_read_at_the_same_step_and_only_from_an_oracle_tea
     noisy_results = write_results(tmp_path / "noisy.json", oracle | {"teacher_eps_mistake": 0.2}, [{"seed": 3, "pebble_eval_curve": curve}])
     with pytest.raises(SystemExit, match="not the oracle"):
         feedback_efficiency.earlier_oracle_runs([noisy_results], noisy, "pebble")
+    # rime's own flags act only with rime: an oracle recorded while the warm start's default was 1000 is the oracle still
+    warm_then = write_results(tmp_path / "then.json", oracle | {"rime_warm_start_steps": 1000}, [{"seed": 3, "pebble_eval_curve": curve}])
+    assert feedback_efficiency.earlier_oracle_runs([warm_then], noisy, "pebble")[3]["return"] == 60_000.0
+    rime_oracle = write_results(tmp_path / "rime.json", oracle | {"robust_labels": "rime"}, [{"seed": 3, "pebble_eval_curve": curve}])
+    with pytest.raises(SystemExit, match="not the oracle"):
+        feedback_efficiency.earlier_oracle_runs([rime_oracle], noisy, "pebble")
 
 
 def test_a_longer_run_with_the_same_flags_is_read_at_this_invocations_last_evaluation(tmp_path):

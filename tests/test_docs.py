@@ -307,6 +307,7 @@ def test_a_noise_table_shows_each_defence_against_the_oracle_teacher_at_the_same
         return {"settings": {"robust_labels": defence}, "rows": rows}
 
     results = {"none": result("none", [100.0, 500.0, 300.0]), "rime": result("rime", [900.0, 700.0, 800.0])}
+    results["rime"]["settings"]["rime_warm_start_steps"] = 0
     # A result written with its seeds' spread shows the interquartile range beside each median ratio.
     results["rime"]["spread"] = {"oracle_ratio": {"median": 0.8, "q25": 0.75, "q75": 0.85}, "oracle_last_ratio": {"median": 1.0}}
     results["rime"]["spread"]["oracle_last_ratio"] |= {"q25": 0.9375, "q75": 1.0625}
@@ -314,18 +315,19 @@ def test_a_noise_table_shows_each_defence_against_the_oracle_teacher_at_the_same
     lines = gen_docs.fill_tables(page, results, "page.md").splitlines()
     assert lines[3] == "| none | 1 | 100 | 1000 | 0.10 | 100 vs 800 | 0.12 | 0.90 | 0.80 |"
     assert lines[6] == "| **none, median** | | 300 | 1000 | **0.30** | 300 vs 800 | **0.38** | | |"
-    assert lines[10] == "| **rime, median** | | 800 | 1000 | **0.80** [0.75, 0.85] | 800 vs 800 | **1.00** [0.94, 1.06] | | |"
+    # rime always says its warm start, so that a table reads the same whatever the scripts' default
+    assert (
+        lines[10] == "| **rime (no warm start), median** | | 800 | 1000 | **0.80** [0.75, 0.85] | 800 vs 800 | **1.00** [0.94, 1.06] | | |"
+    )
     # rime with another flip threshold (--rime-flip-tau 1e-40: drop, never flip) is named apart from rime's defaults
     results["rime"]["settings"]["rime_flip_tau"] = 1e-40
     lines = gen_docs.fill_tables(page, results, "page.md").splitlines()
-    assert lines[7].startswith("| rime (flip τ 1e-40) | 1 | 900 |") and lines[10].startswith("| **rime (flip τ 1e-40), median** |")
-    # rime without its warm start (--rime-warm-start-steps 0) is named apart too, beside any other change
-    results["rime"]["settings"]["rime_warm_start_steps"] = 0
-    lines = gen_docs.fill_tables(page, results, "page.md").splitlines()
     assert lines[7].startswith("| rime (flip τ 1e-40, no warm start) | 1 | 900 |")
-    del results["rime"]["settings"]["rime_flip_tau"]
+    assert lines[10].startswith("| **rime (flip τ 1e-40, no warm start), median** |")
+    # a result written before the warm start was recorded ran with RIME's 1000 steps, the default then
+    del results["rime"]["settings"]["rime_flip_tau"], results["rime"]["settings"]["rime_warm_start_steps"]
     lines = gen_docs.fill_tables(page, results, "page.md").splitlines()
-    assert lines[10].startswith("| **rime (no warm start), median** |")
+    assert lines[7].startswith("| rime (warm start 1000 steps) | 1 | 900 |")
 
 
 def test_a_noise_table_pools_the_files_of_one_defence_into_one_median_over_all_their_seeds():
@@ -363,7 +365,7 @@ def test_a_noise_table_takes_rimes_default_flip_threshold_from_the_script(tmp_pa
     for flip_tau in (0.01, 0.001):
         result = {"settings": {"robust_labels": "rime", "rime_flip_tau": flip_tau}, "rows": [row]}
         names.append(gen_docs.noise_table([result], tmp_path)[2].split(" | ")[0])
-    assert names == ["| rime", "| rime (flip τ 0.001)"]
+    assert names == ["| rime (warm start 1000 steps)", "| rime (flip τ 0.001, warm start 1000 steps)"]
 
 
 def test_a_feedback_command_is_rebuilt_with_switches_as_bare_flags_and_reused_results_as_typed():
