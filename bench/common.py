@@ -145,6 +145,17 @@ def script_module(script: str):
 # Settings that do not change what a run computes: a run started under another name or with a progress bar is the same run.
 NOT_THE_RUN = ("run_name", "progress_bar", "checkpoint_frequency", "resume")  # settings that leave a run's numbers as they are
 
+# Settings that act only with one --robust-labels: with another a run computed nothing with them, so they do not tell two
+# runs apart (and a default that changed since, as --rime-warm-start-steps's did, leaves a finished run reusable).
+ACTS_ONLY_WITH_ROBUST_LABELS = {"rime_": "rime", "robust_label_epsilon": "smooth"}
+
+
+def inert(key: str, settings: dict) -> bool:
+    """Whether setting `key` computes nothing in a run with these `settings` (ACTS_ONLY_WITH_ROBUST_LABELS)."""
+    return any(
+        key.startswith(prefix) and settings.get("robust_labels") != defence for prefix, defence in ACTS_ONLY_WITH_ROBUST_LABELS.items()
+    )
+
 
 def run_settings(script: str, flags: list[str]) -> tuple[dict, set[str]]:
     """(every setting `script` reads from `flags`, its defaults included, as args.json records it; the names the flags
@@ -162,13 +173,13 @@ def run_settings(script: str, flags: list[str]) -> tuple[dict, set[str]]:
 
 
 def agrees(wanted: dict, given: set[str], recorded: dict, besides: tuple[str, ...] = ()) -> bool:
-    """Whether a run's args.json `recorded` holds the settings `wanted` (run_settings), NOT_THE_RUN and `besides`
-    aside. A setting the run does not record is newer than the run, which ran with its default: it agrees unless the
-    flags set it."""
+    """Whether a run's args.json `recorded` holds the settings `wanted` (run_settings), NOT_THE_RUN, `besides` and the
+    settings inert with the wanted --robust-labels aside. A setting the run does not record is newer than the run,
+    which ran with its default: it agrees unless the flags set it."""
     if recorded.get("exp_name") != wanted.get("exp_name"):
         return False
     for key, value in wanted.items():
-        if key in NOT_THE_RUN or key in besides or (key not in recorded and key not in given):
+        if key in NOT_THE_RUN or key in besides or inert(key, wanted) or (key not in recorded and key not in given):
             continue
         if key not in recorded or recorded[key] != value:
             return False

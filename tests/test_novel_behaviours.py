@@ -114,6 +114,23 @@ def test_a_run_is_reused_only_where_every_flag_it_would_be_started_with_agrees()
     assert started_with("sac_rlhf.py", [*flags, "--teacher-eps-mistake", "0.2"], recorded | {"teacher_eps_mistake": 0.2})
 
 
+def test_a_setting_that_acts_only_with_another_defence_does_not_keep_a_run_from_being_reused():
+    """rime's flags compute nothing without --robust-labels rime: an oracle run recorded while --rime-warm-start-steps
+    defaulted to 1000 is the run the same flags start today (default 0), and resumes as it; a rime run is not."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from common import started_with
+
+    recorded = {"exp_name": "sac_rlhf", "seed": 2, "env_id": "Hopper-v5", "robust_labels": "none", "rime_warm_start_steps": 1000}
+    recorded |= {"robust_label_epsilon": 0.3}
+    flags = ["--env-id", "Hopper-v5", "--seed", "2"]
+    assert started_with("sac_rlhf.py", flags, recorded)
+    rime = recorded | {"robust_labels": "rime"}
+    assert not started_with("sac_rlhf.py", [*flags, "--robust-labels", "rime"], rime)  # the warm start acts there
+    assert started_with("sac_rlhf.py", [*flags, "--robust-labels", "rime", "--rime-warm-start-steps", "1000"], rime)
+    smooth = recorded | {"robust_labels": "smooth"}
+    assert not started_with("sac_rlhf.py", [*flags, "--robust-labels", "smooth"], smooth)  # epsilon 0.3, not 0.1
+
+
 def test_only_a_run_that_ran_to_its_end_is_reused(tmp_path):
     sys.path.insert(0, str(REPO / "bench"))
     from novel_behaviours import earlier_run
