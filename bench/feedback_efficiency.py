@@ -44,6 +44,7 @@ from common import (
     REPO,
     add_resume_arguments,
     earlier_run,
+    inert,
     longer_runs,
     machine_info,
     print_table,
@@ -225,7 +226,7 @@ def earlier_oracle_runs(paths: list[Path], args, rlhf: str) -> dict[int, dict]:
     """Per seed, the return of the same preference-based setting with the oracle teacher (earlier results of this
     benchmark, TEACHER_FLAGS at their defaults) at this invocation's last step: final evaluation and last-3 mean."""
     # rime's own flags act only with --robust-labels rime, so an oracle's say nothing (and their defaults have changed)
-    oracle_teacher = {name: value for name, value in TEACHER_FLAGS.items() if not name.startswith("rime_")}
+    oracle_teacher = {name: value for name, value in TEACHER_FLAGS.items() if not inert(name, TEACHER_FLAGS)}
     found = {}
     for path, result in earlier_results(paths, args, ORACLE_SETTINGS, "--oracle-from"):
         teacher = {name: result["settings"].get(name, default) for name, default in oracle_teacher.items()}

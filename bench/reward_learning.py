@@ -174,13 +174,16 @@ VARIANTS = {
     # QPA's reward model (bench/feedback_efficiency.py --variant qpa on DMC; use with --strategies uniform and a
     # --session-size of 10 as a 100-label run asks): one member, 20 cropped copies of each label, inputs standardised
     "qpa": Variant("QPA's reward model: one member, no SURF, 20 cropped copies per label, standardised inputs", QPA_MODEL),
-    "qpa-rime": Variant("QPA's reward model with RIME", QPA_MODEL | {"robust_labels": "rime"}),
+    "qpa-rime": Variant(
+        "QPA's reward model with RIME and its warm start", QPA_MODEL | {"robust_labels": "rime", "rime_warm_start_steps": 1000}
+    ),
     "qpa-rime-noflip": Variant(
         "QPA's reward model with RIME's selection but (almost) no flipping: a flip needs a probability below 1e-40",
         QPA_MODEL | {"robust_labels": "rime", "rime_flip_tau": 1e-40, "rime_warm_start_steps": 1000},
     ),
     "qpa-rime-ens3": Variant(
-        "QPA's reward model with three members, with RIME", QPA_MODEL | {"robust_labels": "rime", "reward_ensemble_size": 3}
+        "QPA's reward model with three members, with RIME and its warm start",
+        QPA_MODEL | {"robust_labels": "rime", "reward_ensemble_size": 3, "rime_warm_start_steps": 1000},
     ),
 }
 
