@@ -2,7 +2,8 @@
 preference loop, cut in two by SAC on the preference run's final reward model, frozen.
 
     python bench/reward_gap.py        # cheetah-run (QPA, 100 labels) and Walker2d-v5 (tuned, 200 labels), 100k steps, seeds 1 2 3
-    python bench/reward_gap.py --tasks Walker2d-v5 --seeds 1 --standardize   # and the loop with --reward-standardize
+    python bench/reward_gap.py --tasks Walker2d-v5 --seeds 1 --kinds sac online frozen online_standardized
+        # and the loop with --reward-standardize; --kinds online_standardized alone: only that loop
     python bench/reward_gap.py --tasks Walker2d-v5 --baseline-from bench/results/feedback_efficiency_walker2d_tuned_seed1.json \\
         bench/results/feedback_efficiency_walker2d_tuned_seed2.json bench/results/feedback_efficiency_walker2d_tuned_seed3.json
         # reuses SAC's true-reward runs of bench/feedback_efficiency.py (same env, steps and evaluations)
@@ -14,7 +15,7 @@ Per task and seed, up to four runs, the first three (or four) side by side, one 
             --variant and label budget, 10 sessions every 0.9 x steps / 10 steps after 10k exploration steps);
   frozen    sac_rlhf.py --reward-model-from the online run's final checkpoint: SAC with sac.py's settings on that reward
             model, never updated, no exploration, no teacher (started when its online run ends);
-  online_standardized (--standardize)   the online loop with --reward-standardize.
+  online_standardized (only if --kinds names it)   the online loop with --reward-standardize.
 sac -> frozen is the cost of the reward's shape; frozen -> online the cost of the online loop (when the labels come,
 the relabels, the critic reset, exploration). The frozen reward is the final one, which the online agent only met at
 its last session: frozen above online says the loop, not the reward, loses the return.
@@ -145,7 +146,10 @@ def main() -> None:
     parser.add_argument("--explore-steps", type=int, default=10_000)
     parser.add_argument("--evaluation-frequency", type=int, default=10_000)
     parser.add_argument("--evaluation-episodes", type=int, default=10)
-    parser.add_argument("--standardize", action="store_true", help="also run the online loop with --reward-standardize")
+    parser.add_argument(
+        "--kinds", nargs="+", choices=KINDS, default=["sac", "online", "frozen"],
+        help="the runs to make per task and seed (frozen needs online; SAC reused by --baseline-from is not rerun)",
+    )  # fmt: skip
     parser.add_argument("--run-flags", default="", help="more flags for every run, one quoted string (--run-flags='--batch-size 64')")
     parser.add_argument("--preference-flags", default="", help="more flags for the online runs only, one quoted string")
     parser.add_argument(
@@ -160,6 +164,8 @@ def main() -> None:
         help="results JSON of earlier invocations: run nothing, report their runs together as one table (written to --output)",
     )  # fmt: skip
     args = parser.parse_args()
+    if "frozen" in args.kinds and "online" not in args.kinds:
+        parser.error(f"--kinds {' '.join(args.kinds)}: frozen freezes the online run's final reward model, so it needs online too")
     if args.combine:
         combine(args.combine, args.output)
         return
@@ -171,7 +177,7 @@ def main() -> None:
     for task in args.tasks:  # an earlier result is used for the task it ran on; its other settings must match
         paths = [path for path in args.baseline_from or [] if json.loads(path.read_text())["settings"]["env_id"] == task]
         reused[task] = earlier_baselines(paths, settings[task], "sac") if paths else {}
-    kinds = ["online", "sac", *(["online_standardized"] if args.standardize else [])]
+    kinds = [kind for kind in ("online", "sac", "online_standardized") if kind in args.kinds]  # the online runs first
     names = {
         (task, kind, seed): f"gap_{kind}_{task.replace('/', '_')}_{seed}_{stamp}"
         for task in args.tasks
@@ -192,13 +198,14 @@ def main() -> None:
                     labels.append(name)
         return starts, labels
 
-    run_pool(*jobs(kinds), args.parallel)  # the online runs first: the frozen ones wait for their reward models
-    run_pool(*jobs(["frozen"]), args.parallel)
+    run_pool(*jobs(kinds), args.parallel)
+    if "frozen" in args.kinds:  # after the online runs: a frozen run reads its online run's final reward model
+        run_pool(*jobs(["frozen"]), args.parallel)
 
     rows = []
     for task in args.tasks:
         for seed in args.seeds:
-            for kind in [k for k in KINDS if k in kinds or k == "frozen"]:
+            for kind in [k for k in KINDS if k in args.kinds]:
                 if kind == "sac" and seed in reused[task]:
                     rows.append(reused_row(task, seed, reused[task][seed]))
                 else:
@@ -242,6 +249,14 @@ def combine(paths: list[Path], output: Path) -> None:
             if {k: resolved[k] for k in ("variant", "labels")} != {k: earlier[k] for k in ("variant", "labels")}:
                 raise SystemExit(f"error: --combine: {path} ran {task} with {resolved}, another result with {earlier}")
     rows = [row for result in results for row in result["rows"]]
+    once, seen = [], set()  # SAC that two invocations reused from one earlier result (--baseline-from) is one run
+    for row in rows:
+        reused = row.get("from", "this invocation") != "this invocation"
+        key = (row["task"], row["kind"], row["seed"], row.get("from"))
+        if not (reused and key in seen):
+            once.append(row)
+            seen.add(key)
+    rows = once
     keys = [(row["task"], row["kind"], row["seed"]) for row in rows]
     repeated = sorted({key for key in keys if keys.count(key) > 1})
     if repeated:

@@ -241,6 +241,27 @@ def test_the_reward_gap_bench_runs_the_three_kinds_and_freezes_the_online_runs_m
     assert "median [interquartile range]" in result.stdout
 
 
+def test_reward_gap_kinds_runs_only_the_kinds_named_and_refuses_frozen_without_online(tmp_path):
+    """--kinds online_standardized adds the standardised loop to runs made earlier, without repeating them."""
+    command = [
+        sys.executable, str(REPO / "bench/reward_gap.py"), "--tasks", "Hopper-v5", "--seeds", "1", "--steps", "300",
+        "--explore-steps", "100", "--labels", "4", "--sessions", "1", "--evaluation-frequency", "300",
+        "--evaluation-episodes", "1", "--run-flags=--learning-starts 100 --batch-size 16 --actor-hidden-dim 16 --critic-hidden-dim 16",
+        "--preference-flags=--reward-net-hidden-dim 16 --reward-net-epochs 2 --segment-length 10 --max-augmentation-offset 3 "
+        "--min-augmentation-offset 1 --explore-knn-sample-size 100",
+        "--workdir", str(tmp_path / "work"), "--output", str(tmp_path / "gap.json"), "--kinds", "online_standardized",
+    ]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    rows = json.loads((tmp_path / "gap.json").read_text())["rows"]
+    assert [row["kind"] for row in rows] == ["online_standardized"]
+    assert [path.name for path in (tmp_path / "work" / "runs").iterdir()] == [rows[0]["run_name"]]
+    assert json.loads((tmp_path / "work" / "runs" / rows[0]["run_name"] / "args.json").read_text())["reward_standardize"] is True
+
+    refused = subprocess.run([*command[:-2], "--kinds", "sac", "frozen"], capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "--kinds sac frozen: frozen freezes the online run's" in refused.stderr.strip().splitlines()[-1]
+
+
 def gap_result(path: Path, returns: dict, steps: int = 100_000) -> Path:
     """A bench/reward_gap.py result with runs of final return returns[(kind, seed)] (and no other measurement)."""
     rows = [
@@ -275,6 +296,21 @@ def test_combine_reports_the_runs_of_several_invocations_as_one_table_and_refuse
     assert kinds["frozen"]["seeds"] == 3 and kinds["frozen"]["final_eval_return_ratio"]["median"] == pytest.approx(0.8)  # 0.8, 0.5, 1
     assert kinds["online"]["final_eval_return_ratio"]["median"] == pytest.approx(0.5)  # 0.5, 1, 0.5
     assert report["settings"]["combined_from"] == [str(seed1), str(seeds23)] and report["machine"] == report["machines"][0]
+
+    # two invocations that reused the same earlier SAC run (--baseline-from) hold one run, not two
+    with_reused = [json.loads(path.read_text()) for path in (seed1, seeds23)]
+    for result in with_reused:
+        result["rows"] = [row | {"from": "fe.json"} if (row["kind"], row["seed"]) == ("sac", 1) else row for row in result["rows"]]
+    with_reused[1]["rows"].append(with_reused[0]["rows"][0])
+    assert with_reused[0]["rows"][0]["kind"] == "sac"
+    for path, result in zip((tmp_path / "r1.json", tmp_path / "r2.json"), with_reused):
+        path.write_text(json.dumps(result))
+    combined = subprocess.run(
+        [*bench, str(tmp_path / "r1.json"), str(tmp_path / "r2.json"), "--output", str(tmp_path / "r.json")], capture_output=True, text=True
+    )
+    assert combined.returncode == 0, combined.stderr
+    rows = json.loads((tmp_path / "r.json").read_text())["rows"]
+    assert [(row["kind"], row["seed"]) for row in rows].count(("sac", 1)) == 1 and len(rows) == 9
 
     other_steps = gap_result(tmp_path / "c.json", {("sac", 4): 1, ("frozen", 4): 1, ("online", 4): 1}, steps=50_000)
     for extra, message in [(other_steps, "ran with steps=50000"), (seed1, "more than one run of (task, kind, seed)")]:
