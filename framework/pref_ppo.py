@@ -233,7 +233,9 @@ class PreferenceArgs:
     std of the replay buffer's relabelled rewards are measured and every learned reward (and RUNE's std) is divided
     into that scale, zero mean and unit std, until the next session refits them (checkpointed: a resume continues
     exactly). The reward model's own scale is set by nothing but the labels (tanh outputs summed over segments), so
-    without it SAC's temperature and the critic meet a different scale after every session (bench/reward_gap.py)"""
+    without it SAC's temperature and the critic meet a different scale after every session (bench/reward_gap.py).
+    Centring also removes the learned reward's offset, which in an env that ends episodes on a fall pays for staying
+    alive: on Walker2d-v5 it lowered every seed (docs/benchmarks/findings.md)"""
 
     # --- feedback ---
     teacher_feedback_schedule: Literal["linear", "exponential"] = "exponential"
