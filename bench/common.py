@@ -150,11 +150,15 @@ NOT_THE_RUN = ("run_name", "progress_bar", "checkpoint_frequency", "resume")  # 
 ACTS_ONLY_WITH_ROBUST_LABELS = {"rime_": "rime", "robust_label_epsilon": "smooth"}
 
 
+def acts_only_with(key: str) -> str | None:
+    """The --robust-labels that setting `key` acts with alone (ACTS_ONLY_WITH_ROBUST_LABELS); None: it acts with any."""
+    return next((defence for prefix, defence in ACTS_ONLY_WITH_ROBUST_LABELS.items() if key.startswith(prefix)), None)
+
+
 def inert(key: str, settings: dict) -> bool:
-    """Whether setting `key` computes nothing in a run with these `settings` (ACTS_ONLY_WITH_ROBUST_LABELS)."""
-    return any(
-        key.startswith(prefix) and settings.get("robust_labels") != defence for prefix, defence in ACTS_ONLY_WITH_ROBUST_LABELS.items()
-    )
+    """Whether setting `key` computes nothing in a run with these `settings`."""
+    defence = acts_only_with(key)
+    return defence is not None and settings.get("robust_labels") != defence
 
 
 def run_settings(script: str, flags: list[str]) -> tuple[dict, set[str]]:

@@ -42,6 +42,7 @@ from pathlib import Path
 
 from common import (
     REPO,
+    acts_only_with,
     add_resume_arguments,
     earlier_run,
     inert,
@@ -377,10 +378,10 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=REPO / "bench" / "workdir")
     parser.add_argument("--output", type=Path, default=None, help="default: bench/results/feedback_efficiency[_ppo].json")
     args = parser.parse_args()
-    if args.rime_flip_tau != TEACHER_FLAGS["rime_flip_tau"] and args.robust_labels != "rime":
-        parser.error(f"--rime-flip-tau {args.rime_flip_tau} only acts with --robust-labels rime, got {args.robust_labels}")
-    if args.rime_warm_start_steps != TEACHER_FLAGS["rime_warm_start_steps"] and args.robust_labels != "rime":
-        parser.error(f"--rime-warm-start-steps {args.rime_warm_start_steps} only acts with --robust-labels rime, got {args.robust_labels}")
+    for name, default in TEACHER_FLAGS.items():  # a defence's own setting, given without it, would be passed on and never act
+        if getattr(args, name) != default and inert(name, vars(args)):
+            flag, needed = "--" + name.replace("_", "-"), acts_only_with(name)
+            parser.error(f"{flag} {getattr(args, name)} only acts with --robust-labels {needed}, got {args.robust_labels}")
     if args.output is None:
         suffix = "" if args.algorithm == "sac" else f"_{args.algorithm}"
         args.output = REPO / "bench" / "results" / f"feedback_efficiency{suffix}.json"
