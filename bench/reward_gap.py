@@ -3,7 +3,7 @@ preference loop, cut in two by SAC on the preference run's final reward model, f
 
     python bench/reward_gap.py        # cheetah-run (QPA, 100 labels) and Walker2d-v5 (tuned, 200 labels), 100k steps, seeds 1 2 3
     python bench/reward_gap.py --tasks Walker2d-v5 --seeds 1 --kinds sac online frozen online_standardized
-        # and the loop with --reward-standardize; --kinds online_standardized alone: only that loop
+        # and the loop with --reward-standardize; --kinds online_scaled alone: only the loop scaled, not centred
     python bench/reward_gap.py --tasks Walker2d-v5 --baseline-from bench/results/feedback_efficiency_walker2d_tuned_seed1.json \\
         bench/results/feedback_efficiency_walker2d_tuned_seed2.json bench/results/feedback_efficiency_walker2d_tuned_seed3.json
         # reuses SAC's true-reward runs of bench/feedback_efficiency.py (same env, steps and evaluations)
@@ -15,7 +15,8 @@ Per task and seed, up to four runs, the first three (or four) side by side, one 
             --variant and label budget, 10 sessions every 0.9 x steps / 10 steps after 10k exploration steps);
   frozen    sac_rlhf.py --reward-model-from the online run's final checkpoint: SAC with sac.py's settings on that reward
             model, never updated, no exploration, no teacher (started when its online run ends);
-  online_standardized (only if --kinds names it)   the online loop with --reward-standardize.
+  online_standardized (only if --kinds names it)   the online loop with --reward-standardize;
+  online_scaled (only if --kinds names it)         the same, --no-reward-standardize-center: divided by the std only.
 sac -> frozen is the cost of the reward's shape; frozen -> online the cost of the online loop (when the labels come,
 the relabels, the critic reset, exploration). The frozen reward is the final one, which the online agent only met at
 its last session: frozen above online says the loop, not the reward, loses the return.
@@ -46,7 +47,13 @@ TASKS = {
     "dm_control/cheetah-run-v0": {"variant": "qpa", "labels": 100},
     "Walker2d-v5": {"variant": "tuned", "labels": 200},
 }
-KINDS = ("sac", "frozen", "online", "online_standardized")
+KINDS = ("sac", "frozen", "online", "online_standardized", "online_scaled")
+# the flags each kind of online loop adds to the task's recommended settings
+ONLINE_FLAGS = {
+    "online": [],
+    "online_standardized": ["--reward-standardize"],
+    "online_scaled": ["--reward-standardize", "--no-reward-standardize-center"],
+}
 # summary.json figures reported per run (those a run lacks, e.g. sac.py's reward-model metrics, are left empty)
 MEASURES = (
     "reward_correlation", "segment_correlation", "heldout_accuracy", "learned_reward_mean", "learned_reward_std",
@@ -72,8 +79,8 @@ def run_flags(settings, kind: str, seed: int, run_name: str, online_run: str, wo
     if kind == "frozen":  # sac.py's flags: the run differs from SAC in its reward only
         model = workdir / "models" / online_run / "latest"
         return "sac_rlhf.py", [*baseline_flags(settings, seed, run_name), "--reward-model-from", str(model), *extra]
-    standardize = ["--reward-standardize"] if kind == "online_standardized" else []
-    return "sac_rlhf.py", [*pebble_flags(settings, seed, run_name), *standardize, *extra, *shlex.split(settings.preference_flags)]
+    flags = [*pebble_flags(settings, seed, run_name), *ONLINE_FLAGS[kind], *extra, *shlex.split(settings.preference_flags)]
+    return "sac_rlhf.py", flags
 
 
 def summary_row(workdir: Path, task: str, kind: str, seed: int, run_name: str) -> dict:
@@ -177,7 +184,8 @@ def main() -> None:
     for task in args.tasks:  # an earlier result is used for the task it ran on; its other settings must match
         paths = [path for path in args.baseline_from or [] if json.loads(path.read_text())["settings"]["env_id"] == task]
         reused[task] = earlier_baselines(paths, settings[task], "sac") if paths else {}
-    kinds = [kind for kind in ("online", "sac", "online_standardized") if kind in args.kinds]  # the online runs first
+    # the online runs first (the longest); frozen runs after them, as they read the online runs' final models
+    kinds = [kind for kind in dict.fromkeys(("online", "sac", *KINDS)) if kind in args.kinds and kind != "frozen"]
     names = {
         (task, kind, seed): f"gap_{kind}_{task.replace('/', '_')}_{seed}_{stamp}"
         for task in args.tasks

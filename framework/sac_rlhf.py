@@ -225,6 +225,10 @@ class PreferenceArgs:
     without it SAC's temperature and the critic meet a different scale after every session (bench/reward_gap.py).
     Centring also removes the learned reward's offset, which in an env that ends episodes on a fall pays for staying
     alive: on Walker2d-v5 it lowered every seed (docs/benchmarks/findings.md)"""
+    reward_standardize_center: bool = True
+    """with --reward-standardize: subtract the mean as well as divide by the std. --no-reward-standardize-center
+    divides by the std only and keeps the learned reward's offset (its sign and size relative to the spread), which is
+    what the scale alone changes (docs/benchmarks/findings.md, Walker2d-v5)"""
 
     # --- feedback ---
     teacher_feedback_schedule: Literal["linear", "exponential"] = "exponential"
@@ -339,6 +343,10 @@ def validate_preference_args(args) -> None:
         need_flag(args, name, lambda value: 0 <= value <= 1, "in [0, 1]")
     need_flag(args, "surf_tau", lambda value: 0.5 < value < 1, "in (0.5, 1)")
     need_flag(args, "qpa_hybrid_ratio", lambda value: 0 <= value <= 1, "in [0, 1]")
+    need(
+        args.reward_standardize or args.reward_standardize_center,
+        "--no-reward-standardize-center acts only with --reward-standardize: add --reward-standardize or drop it",
+    )
     need_flag(args, "robust_label_epsilon", lambda value: 0 <= value < 0.5, "in [0, 0.5)")
     need_flag(args, "rime_flip_tau", lambda value: 0 < value < 0.5, "in (0, 0.5)")
     for name in ("rime_alpha", "rime_beta_min", "rime_warm_start_steps"):
@@ -763,17 +771,20 @@ def relabel_replay_buffer(model: RewardEnsemble, rb: ReplayBuffer, device: torch
 
 class RewardStandardizer:
     """--reward-standardize: the learned reward in the scale the agent trains on, zero mean and unit std over the
-    replay buffer's rewards as the last relabel gave them. Refitted after every relabel; new transitions take the last
-    fit until the next. Its two numbers are checkpointed, so a resumed run standardises as the uninterrupted one."""
+    replay buffer's rewards as the last relabel gave them (with `center` off, unit std only: the mean stays, divided
+    by the std). Refitted after every relabel; new transitions take the last fit until the next. Its two numbers are
+    checkpointed, so a resumed run standardises as the uninterrupted one."""
 
-    def __init__(self):
+    def __init__(self, center: bool = True):
+        self.center = center
         self.mean, self.std = 0.0, 1.0
 
     def refit(self, rb: ReplayBuffer) -> None:
         """Fit to the buffer's freshly relabelled rewards (the model's own scale) and standardise them in place."""
         rewards = rb.learned_rewards[: rb.size].astype(np.float64)
         std = float(rewards.std())
-        self.mean, self.std = float(rewards.mean()), std if std > 1e-8 else 1.0  # a constant reward: only centred
+        self.mean = float(rewards.mean()) if self.center else 0.0
+        self.std = std if std > 1e-8 else 1.0  # a constant reward is not scaled
         rb.learned_rewards[: rb.size], rb.reward_std[: rb.size] = self(rb.learned_rewards[: rb.size], rb.reward_std[: rb.size])
 
     def __call__(self, mean: np.ndarray, std: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -1448,7 +1459,8 @@ def main(args: Args, on_evaluation: Callable[[int, float], None] | None = None) 
         agent = SACAgent(obs_dim, action_space, args, device)
         reward_net = (args.reward_ensemble_size, args.reward_net_hidden_dim, args.reward_net_hidden_layers, args.reward_net_dropout)
         reward_model = (frozen_model if frozen else RewardEnsemble(obs_dim + action_dim, *reward_net)).to(device)
-        standardizer = RewardStandardizer()  # --reward-standardize: the scale the agent trains on, refitted every session
+        # --reward-standardize: the scale the agent trains on, refitted every session
+        standardizer = RewardStandardizer(args.reward_standardize_center)
         predict_learned_rewards = functools.partial(
             predict_reward_arrays, reward_model, device, standardizer=standardizer if args.reward_standardize else None
         )

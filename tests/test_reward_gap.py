@@ -147,6 +147,45 @@ def test_the_standardizer_gives_the_buffer_zero_mean_and_unit_std_and_new_rows_t
     assert standardizer.std == 1.0 and np.allclose(constant.learned_rewards, 0.0)  # only centred
 
 
+def test_the_standardizer_without_centring_gives_unit_std_and_keeps_the_offset(algo):
+    """--no-reward-standardize-center: the same spread as the centred fit, and the mean kept in that scale (here
+    +2.3 std: an offset that pays for every step survived must survive the scaling)."""
+    rng = np.random.default_rng(1)
+    learned = (0.3 * rng.standard_normal(500) + 0.7).astype(np.float32)
+    rb = buffer_with(algo, np.zeros(500, np.float32), learned.copy())
+    rb.reward_std[:] = 0.1
+    scaled = algo.RewardStandardizer(center=False)
+    scaled.refit(rb)
+    assert scaled.mean == 0.0 and scaled.std == pytest.approx(learned.std(), rel=1e-5)
+    assert rb.learned_rewards.std() == pytest.approx(1.0, rel=1e-5)
+    assert rb.learned_rewards.mean() == pytest.approx(learned.mean() / learned.std(), rel=1e-5)
+    np.testing.assert_allclose(rb.learned_rewards, learned / learned.std(), rtol=1e-5)
+    np.testing.assert_allclose(rb.reward_std, 0.1 / learned.std(), rtol=1e-5)
+    new_mean, _ = scaled(np.array([-0.2, 0.7], np.float32), np.zeros(2, np.float32))
+    np.testing.assert_allclose(new_mean, np.array([-0.2, 0.7]) / learned.std(), rtol=1e-5)  # the sign stays
+
+
+def test_no_reward_standardize_center_without_reward_standardize_is_refused(chdir_tmp, algo):
+    args = algo.Args(reward_standardize_center=False)
+    assert algo.Args().reward_standardize_center is True
+    with pytest.raises(algo.ConfigError, match="--no-reward-standardize-center acts only with --reward-standardize"):
+        algo.validate_preference_args(args)
+
+
+def test_reward_standardize_without_centring_trains_on_the_scaled_reward_with_its_offset(chdir_tmp):
+    sac_rlhf.main(small_args("scaled", reward_standardize=True, reward_standardize_center=False))
+    state = final_state("scaled")
+    fit = state["checkpoint"]["reward_standardizer"]
+    assert fit["mean"] == 0.0 and fit["std"] != 1.0
+    tags = scalars(Path("runs/scaled"))
+    assert [round(value, 4) for _, value in tags["reward_model/learned_reward_std"]] == [1.0, 1.0, 1.0]
+    assert all(abs(value) > 1e-3 for _, value in tags["reward_model/learned_reward_mean"])  # not centred
+    model = sac_rlhf.RewardEnsemble(state["checkpoint"]["reward_model"]["input_mean"].shape[0], 3, 64, 3)
+    model.load_state_dict(state["checkpoint"]["reward_model"])
+    expected = model_predictions(model, state["replay"]) / fit["std"]
+    np.testing.assert_allclose(state["replay"]["learned_rewards"], expected, rtol=0, atol=1e-5)
+
+
 def test_reward_standardize_absent_trains_exactly_as_before(chdir_tmp, monkeypatch):
     """The flag absent, the standardizer is never called and a run is the same, loss for loss, as one with the flag
     given as off (checked once against the commit before the flag: identical networks, buffers and scalars)."""
@@ -242,7 +281,8 @@ def test_the_reward_gap_bench_runs_the_three_kinds_and_freezes_the_online_runs_m
 
 
 def test_reward_gap_kinds_runs_only_the_kinds_named_and_refuses_frozen_without_online(tmp_path):
-    """--kinds online_standardized adds the standardised loop to runs made earlier, without repeating them."""
+    """--kinds online_standardized online_scaled adds the standardised loops to runs made earlier, without repeating
+    them."""
     command = [
         sys.executable, str(REPO / "bench/reward_gap.py"), "--tasks", "Hopper-v5", "--seeds", "1", "--steps", "300",
         "--explore-steps", "100", "--labels", "4", "--sessions", "1", "--evaluation-frequency", "300",
@@ -250,15 +290,17 @@ def test_reward_gap_kinds_runs_only_the_kinds_named_and_refuses_frozen_without_o
         "--preference-flags=--reward-net-hidden-dim 16 --reward-net-epochs 2 --segment-length 10 --max-augmentation-offset 3 "
         "--min-augmentation-offset 1 --explore-knn-sample-size 100",
         "--workdir", str(tmp_path / "work"), "--output", str(tmp_path / "gap.json"), "--kinds", "online_standardized",
+        "online_scaled",
     ]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     rows = json.loads((tmp_path / "gap.json").read_text())["rows"]
-    assert [row["kind"] for row in rows] == ["online_standardized"]
-    assert [path.name for path in (tmp_path / "work" / "runs").iterdir()] == [rows[0]["run_name"]]
-    assert json.loads((tmp_path / "work" / "runs" / rows[0]["run_name"] / "args.json").read_text())["reward_standardize"] is True
+    assert [row["kind"] for row in rows] == ["online_standardized", "online_scaled"]
+    assert sorted(path.name for path in (tmp_path / "work" / "runs").iterdir()) == sorted(row["run_name"] for row in rows)
+    recorded = [json.loads((tmp_path / "work" / "runs" / row["run_name"] / "args.json").read_text()) for row in rows]
+    assert [(run["reward_standardize"], run["reward_standardize_center"]) for run in recorded] == [(True, True), (True, False)]
 
-    refused = subprocess.run([*command[:-2], "--kinds", "sac", "frozen"], capture_output=True, text=True, timeout=60)
+    refused = subprocess.run([*command[:-3], "--kinds", "sac", "frozen"], capture_output=True, text=True, timeout=60)
     assert refused.returncode == 2 and "--kinds sac frozen: frozen freezes the online run's" in refused.stderr.strip().splitlines()[-1]
 
 
