@@ -9,7 +9,7 @@ preference loop, cut in two by SAC on the preference run's final reward model, f
         # reuses SAC's true-reward runs of bench/feedback_efficiency.py (same env, steps and evaluations)
     python bench/reward_gap.py --combine seeds12.json seed3.json --output cheetah.json   # one table from several invocations
 
-Per task and seed, up to four runs, the first three (or four) side by side, one torch thread each:
+Per task and seed, up to five runs, all but frozen side by side, one torch thread each:
   sac       sac.py on the true reward;
   online    sac_rlhf.py, the online loop with the task's recommended settings (TASKS: bench/feedback_efficiency.py's
             --variant and label budget, 10 sessions every 0.9 x steps / 10 steps after 10k exploration steps);
