@@ -392,10 +392,24 @@ class FrozenRewardArgs:
 
 
 @dataclass
-class Args(FrozenRewardArgs, CheckpointArgs, FeedbackArgs, PreferenceArgs, SACArgs, PresetArgs):
+class AgentResetArgs:
+    """Starting SAC afresh when a feedback session changes the learned reward a lot (sac_rlhf.py only: PrefPPO keeps
+    no replay buffer whose rewards a session could be compared on)."""
+
+    reset_agent_below_correlation: float = -1.0
+    """after each feedback session past the first, re-initialise the actor, the critics and the temperature (with
+    fresh optimisers) when the replay buffer's learned rewards after the session's relabel correlate (Pearson) below
+    this with the same transitions' rewards before it. An agent settled on what an early reward model paid for can
+    stay there once the model changes its mind (the primacy bias, Nikishin et al. 2022); a fresh one learns the new
+    reward from the whole buffer. Every session logs the correlation as feedback/reward_change_correlation and the
+    resets so far as feedback/agent_resets; -1 (default): never reset"""
+
+
+@dataclass
+class Args(AgentResetArgs, FrozenRewardArgs, CheckpointArgs, FeedbackArgs, PreferenceArgs, SACArgs, PresetArgs):
     """PEBBLE's settings: SAC's, preference learning's, the teacher's (cleanrlhf_utils.feedback.FeedbackArgs),
-    checkpoints' (cleanrlhf_utils.checkpoints.CheckpointArgs), the --preset they start from (cleanrlhf_utils.presets) and a
-    frozen reward's (FrozenRewardArgs)."""
+    checkpoints' (cleanrlhf_utils.checkpoints.CheckpointArgs), the --preset they start from (cleanrlhf_utils.presets), a
+    frozen reward's (FrozenRewardArgs) and when to start SAC afresh (AgentResetArgs)."""
 
 
 def validate_sac_args(args: SACArgs) -> None:
@@ -419,6 +433,7 @@ def validate_sac_args(args: SACArgs) -> None:
 def validate_args(args: Args) -> None:
     validate_sac_args(args)
     validate_preference_args(args)
+    need_flag(args, "reset_agent_below_correlation", lambda value: -1 <= value <= 1, "in [-1, 1] (-1: never reset)")
     need(
         args.explore_knn_sample_size >= args.explore_knn_k,
         f"--explore-knn-sample-size must be >= --explore-knn-k ({args.explore_knn_k}), got {args.explore_knn_sample_size}",
@@ -428,6 +443,10 @@ def validate_args(args: Args) -> None:
         need_no_teacher(args, "--reward-model-from", "trains on a frozen reward")
         need(not args.exploration_load, "--reward-model-from skips exploration: drop --exploration-load")
         need(not args.reward_standardize, "--reward-standardize refits at feedback sessions, which a frozen reward has none of")
+        need(
+            args.reset_agent_below_correlation == -1.0,
+            "--reset-agent-below-correlation compares the rewards of feedback sessions, which a frozen reward has none of",
+        )
     elif args.unsupervised_exploration:
         need(
             args.total_explore_steps >= args.learning_starts,
@@ -1364,6 +1383,38 @@ class LoopState:
     queries_skipped: int = 0
     learning_from_preferences: bool = False  # PEBBLE's second phase: labels exist and the critic was reset for them
     last_eval_return: float = float("nan")
+    agent_resets: int = 0  # --reset-agent-below-correlation: sessions after which SAC started afresh
+
+
+def rows_with_learned_reward(rb: ReplayBuffer, pending: PendingRewards) -> np.ndarray:
+    """Slots of the replay buffer whose learned reward has been predicted: all but the newest `pending.count`, which
+    wait for a batch to reach them (PendingRewards)."""
+    waiting = (rb.pos - pending.count + np.arange(pending.count)) % rb.capacity
+    return np.setdiff1d(np.arange(rb.size), waiting)
+
+
+def reward_change_correlation(before: np.ndarray, after: np.ndarray) -> float:
+    """Pearson correlation of the same transitions' learned rewards before and after a session's relabel: near 1 when
+    the session refined the reward, low when it now pays for something else. Blind to the reward's scale and offset
+    (--reward-standardize changes neither). NaN when either side is constant: before the first session the buffer
+    holds no learned reward."""
+    if before.size < 2 or before.std() == 0 or after.std() == 0:
+        return float("nan")
+    return float(np.corrcoef(before, after)[0, 1])
+
+
+def reinitialise_agent(agent: SACAgent) -> None:
+    """--reset-agent-below-correlation: fresh actor and critics, the initial temperature, fresh optimisers. The actor's
+    layers are re-initialised in place, so a policy compiled from it (--compile) acts with the new weights."""
+    for layer in agent.actor.modules():
+        if isinstance(layer, nn.Linear):
+            layer.reset_parameters()  # what nn.Linear's constructor does, as a fresh Actor gets
+    agent.actor_optimizer = adam(agent.actor.parameters(), agent.args.policy_lr, agent.args)
+    agent.reset_critic()
+    with torch.no_grad():
+        agent.log_alpha.fill_(math.log(agent.args.alpha))
+    if agent.args.autotune:
+        agent.alpha_optimizer = adam([agent.log_alpha], agent.args.q_lr, agent.args)
 
 
 def track_episode(loop: LoopState, reward: float, done: bool, writer, progress, step: int) -> None:
@@ -1534,16 +1585,23 @@ def main(args: Args, on_evaluation: Callable[[int, float], None] | None = None) 
                         with session.update(parts, rng, loop):  # one unit: Ctrl-C inside it saves the state before it
                             record_labels(prefs, label_log, session, loop, heldout_fraction, rng)
                             reward_stats = train_reward_model(reward_model, reward_optimizer, prefs, rb, args, rng, device, label_filter)
+                            known = rows_with_learned_reward(rb, pending)
+                            earlier_rewards = rb.learned_rewards[known]  # a copy (fancy indexing): the reward before this session
                             relabel_replay_buffer(reward_model, rb, device, args.relabel_chunk_size)
                             pending.clear()
+                            reward_change = reward_change_correlation(earlier_rewards, rb.learned_rewards[known])
                             if args.reward_standardize:
                                 standardizer.refit(rb)
                             if len(prefs) > 0 and not loop.learning_from_preferences:
                                 agent.reset_critic()  # Q-values of the intrinsic reward mean nothing for the learned one
                                 loop.learning_from_preferences = True
+                            elif loop.learning_from_preferences and reward_change < args.reset_agent_below_correlation:
+                                reinitialise_agent(agent)  # what it settled on was paid by a reward this session replaced
+                                loop.agent_resets += 1
                             show_reward_model(teacher, reward_model, rb, args, rng, device, step)
                             metrics = reward_model_metrics(reward_model, prefs, rb, args, teacher.labels_are_free, loop.global_step, device)
-                            log_feedback_session(writer, loop, session, reward_stats, metrics, teacher.session_measures())
+                            measures = {"reward_change_correlation": reward_change, "agent_resets": loop.agent_resets}
+                            log_feedback_session(writer, loop, session, reward_stats, metrics, teacher.session_measures() | measures)
                         if teacher.people_answer:
                             checkpoint(model_dir / "latest")  # people's labels are what a killed run must not lose
                     exploring = not loop.learning_from_preferences
@@ -1631,7 +1689,7 @@ def main(args: Args, on_evaluation: Callable[[int, float], None] | None = None) 
             loop.last_eval_return = evaluate_and_log(agent.actor, args, writer, video_dir, device, loop.global_step, on_evaluation)
         metrics = reward_model_metrics(reward_model, prefs, rb, args, teacher.labels_are_free, loop.global_step, device)
         summary = run_summary(run_name, args, loop, metrics | session.idle_seconds(), wall, start_step, interrupted, earlier_wall)
-        summary |= recent.summary() | {"reward_model_from": args.reward_model_from}
+        summary |= recent.summary() | {"reward_model_from": args.reward_model_from, "agent_resets": loop.agent_resets}
         if args.reward_standardize:  # the model's own scale at the last session
             summary |= {"standardize_mean": standardizer.mean, "standardize_std": standardizer.std}
         write_summary(run_dir, summary)

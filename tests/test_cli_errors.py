@@ -119,6 +119,16 @@ BAD_ARGS = [
     ("eps-mistake", lambda tmp: {"teacher_eps_mistake": 1.5}, "--teacher-eps-mistake must be in [0, 1], got 1.5"),
     ("explore-shorter-than-random", lambda tmp: {"total_explore_steps": 500}, "--total-explore-steps (500)"),
     ("dropout", lambda tmp: {"reward_net_dropout": 1.0}, "--reward-net-dropout"),
+    (
+        "reset-correlation",
+        lambda tmp: {"reset_agent_below_correlation": 1.5},
+        "--reset-agent-below-correlation must be in [-1, 1] (-1: never reset), got 1.5",
+    ),
+    (
+        "reset-with-frozen-reward",
+        lambda tmp: {"reset_agent_below_correlation": 0.5, "reward_model_from": _existing_file(tmp, "checkpoint.pt")},
+        "--reset-agent-below-correlation compares the rewards of feedback sessions, which a frozen reward has none of",
+    ),
 ]
 
 

@@ -244,6 +244,89 @@ def test_pref_ppo_standardises_the_rewards_it_trains_on(chdir_tmp):
 
 
 # ----------------------------------------------------------------------------------------
+# --reset-agent-below-correlation
+# ----------------------------------------------------------------------------------------
+def test_reward_change_correlation_ignores_scale_and_offset_and_sees_a_new_ranking():
+    rng = np.random.default_rng(0)
+    before = rng.normal(size=500).astype(np.float32)
+    assert sac_rlhf.reward_change_correlation(before, 3.0 * before - 2.0) == pytest.approx(1.0, abs=1e-6)
+    assert sac_rlhf.reward_change_correlation(before, -before) == pytest.approx(-1.0, abs=1e-6)
+    unrelated = sac_rlhf.reward_change_correlation(before, rng.normal(size=500).astype(np.float32))
+    assert abs(unrelated) < 0.15
+    assert np.isnan(sac_rlhf.reward_change_correlation(np.zeros(500, np.float32), before))  # no learned reward yet
+
+
+def test_rows_with_learned_reward_leave_out_the_ones_still_waiting_for_a_batch():
+    from cleanrlhf_utils.buffers import PendingRewards, ReplayBuffer
+
+    rb, pending = ReplayBuffer(8, OBS_DIM, ACTION_DIM, 2), PendingRewards()
+    for step in range(6):
+        rb.add(np.zeros(OBS_DIM), np.zeros(OBS_DIM), np.zeros(ACTION_DIM), 0.0, False, 0, np.zeros(2))
+        if step >= 4:
+            pending.add(rb)
+    assert sac_rlhf.rows_with_learned_reward(rb, pending).tolist() == [0, 1, 2, 3]
+    for _ in range(4):  # the buffer wraps: slots 0 and 1 now hold the newest rows
+        rb.add(np.zeros(OBS_DIM), np.zeros(OBS_DIM), np.zeros(ACTION_DIM), 0.0, False, 0, np.zeros(2))
+        pending.add(rb)
+    assert sac_rlhf.rows_with_learned_reward(rb, pending).tolist() == [2, 3]
+
+
+def test_reinitialise_agent_gives_fresh_networks_the_initial_temperature_and_fresh_optimisers():
+    import gymnasium as gym
+
+    torch.manual_seed(0)
+    args = sac_rlhf.Args(actor_hidden_dim=32, critic_hidden_dim=32, alpha=0.2)
+    agent = sac_rlhf.SACAgent(OBS_DIM, gym.spaces.Box(-1.0, 1.0, (ACTION_DIM,), np.float32), args, torch.device("cpu"))
+    batch = [torch.randn(64, OBS_DIM), torch.rand(64, ACTION_DIM) * 2 - 1, torch.randn(64), torch.randn(64, OBS_DIM), torch.zeros(64)]
+    for step in range(50):
+        agent.update(*batch, global_step=step)
+    actor, trained_actor = agent.actor, {k: v.clone() for k, v in agent.actor.state_dict().items()}
+    trained_qf = {k: v.clone() for k, v in agent.qf.state_dict().items()}
+    assert abs(agent.log_alpha.item() - np.log(0.2)) > 0.01 and agent.actor_optimizer.state
+
+    sac_rlhf.reinitialise_agent(agent)
+    assert agent.actor is actor  # in place: a policy compiled from it acts with the new weights
+    for name in ("trunk.0.weight", "fc_mean.weight", "fc_logstd.bias"):
+        assert not torch.equal(agent.actor.state_dict()[name], trained_actor[name]), name
+    assert all(not torch.equal(value, trained_qf[name]) for name, value in agent.qf.state_dict().items())
+    for name, value in agent.qf_target.state_dict().items():
+        assert torch.equal(value, agent.qf.state_dict()[name]), name
+    assert agent.log_alpha.item() == pytest.approx(np.log(0.2), abs=1e-7)
+    assert not agent.actor_optimizer.state and not agent.q_optimizer.state and not agent.alpha_optimizer.state
+    # nn.Linear's initialisation, as a new agent's: weights within 1/sqrt(fan_in)
+    assert agent.actor.trunk[0].weight.abs().max().item() <= 1 / np.sqrt(OBS_DIM)
+    fresh_actor, fresh_qf = agent.actor.trunk[0].weight.detach().clone(), agent.qf.state_dict()["net.0.weight"].clone()
+    agent.update(*batch, global_step=0)  # and it trains: the new optimisers hold the actor's and the critics' parameters
+    assert not torch.equal(agent.actor.trunk[0].weight, fresh_actor)
+    assert not torch.equal(agent.qf.state_dict()["net.0.weight"], fresh_qf)
+
+
+def test_a_run_starts_sac_afresh_after_sessions_that_change_the_reward_and_resumes_exactly(chdir_tmp):
+    never = sac_rlhf.main(small_args("never"))  # 1200 steps: sessions at 400, 700 and 1000
+    tags = scalars(Path("runs/never"))
+    changes = [value for _, value in tags["feedback/reward_change_correlation"]]
+    assert len(changes) == 3 and np.isnan(changes[0])  # the first session has no earlier learned reward
+    assert all(-1 < change < 1 for change in changes[1:])
+    assert [value for _, value in tags["feedback/agent_resets"]] == [0, 0, 0] and never["agent_resets"] == 0
+
+    always = {"reset_agent_below_correlation": 1.0}  # every later session changes the reward somewhat
+    summary = sac_rlhf.main(small_args("always", **always))
+    assert [value for _, value in scalars(Path("runs/always"))["feedback/agent_resets"]] == [0, 1, 2]
+    assert summary["agent_resets"] == 2
+    # Stopped right after the second session: the temperature is back at its start, one update away from it.
+    sac_rlhf.main(small_args("cut", total_timesteps=701, **always))
+    sac_rlhf.main(small_args("cut_never", total_timesteps=701))
+    log_alpha = {name: float(final_state(name)["checkpoint"]["agent"]["log_alpha"]) for name in ("cut", "cut_never")}
+    assert abs(log_alpha["cut"] - np.log(0.2)) < 3e-3 < abs(log_alpha["cut_never"] - np.log(0.2))
+
+    sac_rlhf.main(small_args("part", total_timesteps=800, **always))  # stopped between sessions 2 and 3
+    sac_rlhf.main(small_args("part", resume="models/part/latest", **always))
+    resumed = final_state("part")
+    assert_same_training(final_state("always"), resumed)
+    assert resumed["checkpoint"]["loop"]["agent_resets"] == 2
+
+
+# ----------------------------------------------------------------------------------------
 # bench/reward_gap.py
 # ----------------------------------------------------------------------------------------
 def test_the_reward_gap_bench_runs_the_three_kinds_and_freezes_the_online_runs_model(tmp_path):

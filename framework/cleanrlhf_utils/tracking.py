@@ -85,15 +85,15 @@ def progress_bar(args, total: int, initial: int = 0):
     return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)
 
 
-def log_feedback_session(writer, loop, session, reward_stats: dict, metrics: dict, teacher_measures: dict | None = None) -> None:
+def log_feedback_session(writer, loop, session, reward_stats: dict, metrics: dict, measures: dict | None = None) -> None:
     """TensorBoard scalars of a reward update from a feedback session (cleanrlhf_utils.feedback.FeedbackSession): labels
     so far, seconds from the pairs' selection to now, seconds the trainer waited for people in this session and people
-    for the trainer in all (human mode), what the teacher measured (Teacher.session_measures), the reward update, the
-    reward model's metrics."""
+    for the trainer in all (human mode), what the teacher measured (Teacher.session_measures) and the script adds (e.g.
+    how much the session changed the reward), the reward update, the reward model's metrics."""
     step = loop.global_step
     counts = {"labels_obtained": loop.labels_obtained, "queries_skipped": loop.queries_skipped, "sessions": loop.sessions_done}
     seconds = {"session_seconds": time.time() - session.opened_at, "trainer_idle_seconds": session.session_trainer_idle}
-    for name, value in (counts | seconds | {"people_idle_seconds": session.people_idle} | (teacher_measures or {})).items():
+    for name, value in (counts | seconds | {"people_idle_seconds": session.people_idle} | (measures or {})).items():
         writer.add_scalar(f"feedback/{name}", value, step)
     for name, value in (reward_stats | metrics).items():
         writer.add_scalar(f"reward_model/{name}", value, step)
