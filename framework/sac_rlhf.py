@@ -1389,8 +1389,7 @@ class LoopState:
 def rows_with_learned_reward(rb: ReplayBuffer, pending: PendingRewards) -> np.ndarray:
     """Slots of the replay buffer whose learned reward has been predicted: all but the newest `pending.count`, which
     wait for a batch to reach them (PendingRewards)."""
-    waiting = (rb.pos - pending.count + np.arange(pending.count)) % rb.capacity
-    return np.setdiff1d(np.arange(rb.size), waiting)
+    return np.setdiff1d(np.arange(rb.size), pending.waiting_rows(rb))
 
 
 def reward_change_correlation(before: np.ndarray, after: np.ndarray) -> float:

@@ -163,13 +163,17 @@ class PendingRewards:
         """After relabel_replay_buffer: every row has its reward."""
         self.count = 0
 
+    def waiting_rows(self, rb: ReplayBuffer) -> np.ndarray:
+        """The replay buffer's slots still without a learned reward: the newest `count`, oldest first."""
+        return (rb.pos - self.count + np.arange(self.count)) % rb.capacity
+
     def fill_if_sampled(self, predict: Callable, rb: ReplayBuffer, idx: np.ndarray) -> None:
         if self.count and ((idx - (rb.pos - self.count)) % rb.capacity < self.count).any():
             self.fill(predict, rb)
 
     def fill(self, predict: Callable, rb: ReplayBuffer) -> None:
         """predict(obs_actions (N, D) array) -> (mean, std) of the learned reward, arrays (N,)."""
-        rows = (rb.pos - self.count + np.arange(self.count)) % rb.capacity
+        rows = self.waiting_rows(rb)
         for start in np.unique(rows // self.block) * self.block:
             block = (start + np.arange(self.block)) % rb.capacity  # always `block` rows, also where the buffer wraps
             mean, std = predict(rb.obs_actions(block))
