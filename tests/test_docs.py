@@ -394,3 +394,34 @@ def test_a_rows_table_pools_its_files_in_their_kinds_columns_and_leaves_out_colu
     assert lines[3].startswith("| none, seed 1 | rime | 0.500 |") and lines[3].endswith("| 0.300 | 2 | – |")
     assert lines[4].startswith("| rime, seed 2 | default |") and lines[4].endswith("| 2 | – |")
     assert lines[5] == "<!-- /table -->"
+
+
+def novel_behaviours_row(seed: int, success: float, ratio: float, late_success: float, late_return: float) -> dict:
+    """A bench/novel_behaviours.py row over 90 steps: evaluations at 30 and 60 (the first two thirds) and 90 (the last)."""
+    return {
+        "seed": seed, "steps": 90, "objective_success": success, "objective_success_last3": success + 1,
+        "return_ratio": ratio, "return_ratio_last3": ratio + 1,
+        "objective_success_curve": [[30, 100.0], [60, 100.0], [90, late_success]],
+        "objective_curve": [[30, 100.0], [60, 100.0], [90, late_return]],
+        "ceiling_objective_curve": [[30, 1.0], [60, 1.0], [90, 10.0]],
+    }  # fmt: skip
+
+
+def test_a_settings_table_pools_each_settings_seeds_and_reads_the_last_third_of_the_curves():
+    """`<!-- table: settings a+b c -->`: one row per setting (a and b pooled by seed, b's seed 2 replacing a's), named
+    by its --preference-flags, each column the median [interquartile range] over seeds; the last third averages only
+    the evaluations past 2/3 of the steps, and its ratio is the run's late objective return over the ceiling's."""
+    first = {"command": "python bench/novel_behaviours.py --preference-flags='--no-surf --x 1'", "rows": []}
+    first["rows"] = [novel_behaviours_row(1, 1.0, 0.2, 0.0, 2.0), novel_behaviours_row(2, 9.0, 9.0, 9.0, 9.0)]
+    second = {"command": "python bench/novel_behaviours.py --seeds 2 3", "rows": []}
+    second["rows"] = [novel_behaviours_row(2, 2.0, 0.4, 1.0, 4.0), novel_behaviours_row(3, 3.0, 0.6, 2.0, 6.0)]
+    page = "<!-- table: settings novel_a+novel_b novel_b -->\n<!-- /table -->"
+    lines = gen_docs.fill_tables(page, {"novel_a": first, "novel_b": second}, "page.md").splitlines()
+    assert lines[1].startswith("| preference flags | seeds | success, final |")
+    assert lines[3] == (
+        "| `--no-surf --x 1` | 1, 2, 3 | 2.00 [1.50, 2.50] | 3.00 [2.50, 3.50] | 1.00 [0.50, 1.50] "
+        "| 0.40 [0.30, 0.50] | 1.40 [1.30, 1.50] | 0.40 [0.30, 0.50] |"
+    )
+    assert lines[4].startswith("| `(none)` | 2, 3 | 2.50 [2.25, 2.75] |")
+    with pytest.raises(SystemExit, match="no bench/results/novel_c.json"):
+        gen_docs.fill_tables("<!-- table: settings novel_a+novel_c -->\n<!-- /table -->", {"novel_a": first}, "page.md")
