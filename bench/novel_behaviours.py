@@ -110,7 +110,7 @@ def start_unless_finished(args, jobs: list, script: str, flags: list[str], run_n
     return args.workdir / "runs" / run_name
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--behaviour", choices=list(BEHAVIOURS), default="windmill")
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
@@ -134,6 +134,13 @@ def main() -> None:
         "and evaluations (from an earlier invocation, finished or still running): read, not run again",
     )
     parser.add_argument(
+        "--ceiling-results",
+        type=Path,
+        help="a results file this benchmark wrote, whose rows hold the SAC-on-objective ceilings of the same behaviour, "
+        "seeds, steps, evaluations and env flags: their figures are copied, nothing runs (for a machine where that "
+        "invocation's workdir is gone)",
+    )
+    parser.add_argument(
         "--reuse-finished",
         action="store_true",
         help="runs in --workdir that finished with exactly the flags this invocation would start them with (an "
@@ -143,11 +150,41 @@ def main() -> None:
     parser.add_argument("--parallel", type=int, default=2)
     parser.add_argument("--workdir", type=Path, default=REPO / "bench" / "workdir" / "novel_behaviours")
     parser.add_argument("--output", type=Path, default=REPO / "bench" / "results" / "novel_behaviours_windmill.json")
-    args = parser.parse_args()
+    return parser
+
+
+def recorded_ceilings(args) -> dict:
+    """(objective, seed) -> the ceiling_* figures of that row of --ceiling-results, once its command is shown to have
+    measured the same ceilings: same behaviour, steps, evaluation frequency and env flags (what the SAC runs saw)."""
+    path = args.ceiling_results if args.ceiling_results.is_absolute() else REPO / args.ceiling_results
+    try:
+        recorded = json.loads(path.read_text())
+        earlier = build_parser().parse_args(shlex.split(recorded["command"])[2:])
+    except (OSError, ValueError, KeyError, SystemExit) as error:
+        raise SystemExit(f"--ceiling-results {args.ceiling_results}: not a results file of this benchmark ({error!r})") from None
+    for setting in ("behaviour", "steps", "evaluation_frequency", "env_flags"):
+        if getattr(earlier, setting) != getattr(args, setting):
+            raise SystemExit(
+                f"--ceiling-results {args.ceiling_results}: its ceilings ran with {setting} {getattr(earlier, setting)!r}, "
+                f"this invocation asks for {getattr(args, setting)!r}"
+            )
+    ceilings = {}
+    for row in recorded["rows"]:
+        figures = {key: value for key, value in row.items() if key.startswith("ceiling_")}
+        if "ceiling_run" in figures:
+            ceilings[row["objective"], row["seed"]] = figures | {"ceiling_results": str(relative(path))}
+    return ceilings
+
+
+def main() -> None:
+    args = build_parser().parse_args()
 
     env_id, objective_names = BEHAVIOURS[args.behaviour]
-    if args.ceiling_from is not None and args.behaviour == "windmill":
-        raise SystemExit("--ceiling-from: the windmill's ceiling is scripted (full torque), not a SAC run")
+    if (args.ceiling_from is not None or args.ceiling_results is not None) and args.behaviour == "windmill":
+        raise SystemExit("--ceiling-from/--ceiling-results: the windmill's ceiling is scripted (full torque), not a SAC run")
+    if args.ceiling_from is not None and args.ceiling_results is not None:
+        raise SystemExit("--ceiling-from and --ceiling-results: give one, the ceilings' runs or their recorded figures")
+    ceilings_recorded = recorded_ceilings(args) if args.ceiling_results is not None else {}
     stamp = int(time.time())
     ceiling_runs = {}  # (objective, seed) -> the SAC-on-objective run's directory
     jobs, runs = [], []  # jobs: (script, flags, run name) to start; runs: (objective, seed, preference run's directory)
@@ -173,7 +210,10 @@ def main() -> None:
                 "--checkpoint-frequency", str(args.checkpoint_frequency), "--torch-threads", "1", "--no-cuda",
                 *shlex.split(args.env_flags),
             ]  # fmt: skip
-            if args.ceiling_from is not None:
+            if args.ceiling_results is not None:
+                if (objective_name, seed) not in ceilings_recorded:
+                    raise SystemExit(f"--ceiling-results {args.ceiling_results}: no ceiling of {objective_name} seed {seed} there")
+            elif args.ceiling_from is not None:
                 ceiling_run = earlier_run(args.ceiling_from, "sac.py", ceiling_flags, finished=False)
                 if ceiling_run is None:
                     shown = shlex.join(flag for flag in ceiling_flags if flag not in ("--run-name", f"{run_name}__sac"))
@@ -208,6 +248,8 @@ def main() -> None:
                 "ceiling_objective_return_last3": ceiling["ceiling_objective_return"],
                 "ceiling_objective_success_last3": ceiling["ceiling_objective_success"],
             }
+        elif args.ceiling_results is not None:
+            row |= ceilings_recorded[objective_name, seed]
         else:
             ceiling_run = ceiling_runs[objective_name, seed]
             if not (ceiling_run / "summary.json").exists():
@@ -246,6 +288,7 @@ def main() -> None:
         + ([f"--preference-flags={shlex.quote(args.preference_flags)}"] if args.preference_flags else [])
         + ([f"--env-flags={shlex.quote(args.env_flags)}"] if args.env_flags else [])
         + ([f"--ceiling-from {relative(args.ceiling_from)}"] if args.ceiling_from else [])
+        + ([f"--ceiling-results {relative(args.ceiling_results)}"] if args.ceiling_results else [])
         + (["--reuse-finished"] if args.reuse_finished else [])
         + (["--resume-unfinished"] if args.resume_unfinished else [])
         + [f"--output {relative(output)}"]

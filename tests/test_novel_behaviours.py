@@ -76,6 +76,27 @@ def test_the_backflip_bench_runs_sac_on_the_objective_beside_each_preference_run
     assert result.returncode != 0 and "no SAC run there started with" in result.stderr and "--total-timesteps 900" in result.stderr
     assert not (tmp_path / "other").exists()
 
+    # On a machine where that workdir is gone, the results file it wrote stands in: its ceiling figures are copied.
+    recorded = [*BENCH, "--steps", "600", "--workdir", str(tmp_path / "recorded"), "--output", str(tmp_path / "recorded.json")]
+    result = subprocess.run([*recorded, "--ceiling-results", str(tmp_path / "backflip.json")], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    report = json.loads((tmp_path / "recorded.json").read_text())
+    [copied] = report["rows"]
+    original = json.loads((tmp_path / "backflip.json").read_text())["rows"][0]
+    assert {key: value for key, value in copied.items() if key.startswith("ceiling_") and key != "ceiling_results"} == {
+        key: value for key, value in original.items() if key.startswith("ceiling_")
+    }
+    assert copied["ceiling_results"] == str(tmp_path / "backflip.json") and copied["run"] != original["run"]
+    assert copied["return_ratio"] == pytest.approx(copied["objective_return"] / original["ceiling_objective_return"])
+    assert f"--ceiling-results {tmp_path / 'backflip.json'}" in report["command"]
+    assert [run.name.endswith("__sac") for run in (tmp_path / "recorded" / "runs").iterdir()] == [False]
+    # Ceilings of other steps, or of a seed the file lacks, are refused in one line before anything runs.
+    for wrong, named in ((["--steps", "900"], "steps 600"), (["--steps", "600", "--seeds", "3"], "seed 3")):
+        wrong_args = [*BENCH, *wrong, "--workdir", str(tmp_path / "wrong"), "--ceiling-results", str(tmp_path / "backflip.json")]
+        result = subprocess.run(wrong_args, capture_output=True, text=True, timeout=600)
+        assert result.returncode != 0 and named in result.stderr and len(result.stderr.strip().splitlines()) == 1
+        assert not (tmp_path / "wrong").exists()
+
 
 def test_env_flags_shape_the_environment_of_the_preference_run_and_its_ceiling_alike(tmp_path):
     """--env-flags=--terminate-when-unhealthy: both runs end episodes when the Hopper falls, while the backflip still
