@@ -41,6 +41,7 @@ WINDMILL = "cleanrlhf_utils.example_envs.windmill:Windmill-v0"
 BEHAVIOURS = {
     "windmill": (WINDMILL, ["windmill-clockwise", "windmill-counterclockwise"]),
     "hopper-backflip": ("Hopper-v5", ["hopper-backflip"]),
+    "hopper-backflip-upright": ("Hopper-v5", ["hopper-backflip-upright"]),
     "ant-raise-leg": ("Ant-v5", ["ant-raise-leg"]),
     "halfcheetah-backward": ("HalfCheetah-v5", ["halfcheetah-backward"]),
 }

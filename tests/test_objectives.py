@@ -59,6 +59,33 @@ def test_rolling_over_on_the_ground_is_no_backflip():
     assert objectives.hopper_backflips(None, None, states).tolist() == [0.0, 1.0, 0.0]
 
 
+def test_the_upright_backflip_pays_each_step_up_and_counts_flips_as_the_backflip_does():
+    """hopper-backflip-upright: the backflip's rotation plus a small bonus per step with the torso up. Standing still
+    earns the bonus alone, a fall halfway earns half of it, a flip earns both; flips count as for hopper-backflip."""
+    length = 200
+    pitch = np.zeros((3, length))
+    pitch[2] = np.linspace(0, -2 * np.pi - 0.3, length)
+    states = hopper_states(pitch, np.gradient(pitch, axis=1) / 0.008)
+    states[1, length // 2 :, 1 + objectives.HOPPER_Z] = 0.2  # falls halfway through
+    upright = objectives.OBJECTIVES["hopper-backflip-upright"]
+    returns = upright.reward(None, None, states).sum(1)
+    bonus = objectives.HOPPER_UPRIGHT_BONUS * length
+    assert returns[0] == pytest.approx(bonus) and returns[1] == pytest.approx(bonus / 2)
+    assert returns[2] == pytest.approx(bonus + objectives.hopper_backflip(None, None, states)[2].sum())
+    assert upright.success(None, None, states).tolist() == objectives.hopper_backflips(None, None, states).tolist() == [0, 0, 1]
+
+
+def test_the_upright_backflip_ends_episodes_on_a_fall_unless_the_command_line_says_otherwise():
+    import sac_rlhf
+
+    args = sac_rlhf.Args(env_id="Hopper-v5", teacher_objective="hopper-backflip-upright")
+    objectives.apply_objective(args, argv=["sac_rlhf.py"])
+    assert args.terminate_when_unhealthy is True and args.terminate_when_tilted is False
+    args = sac_rlhf.Args(env_id="Hopper-v5", teacher_objective="hopper-backflip-upright", terminate_when_unhealthy=False)
+    objectives.apply_objective(args, argv=["sac_rlhf.py", "--no-terminate-when-unhealthy"])  # as tyro parsed it
+    assert args.terminate_when_unhealthy is False and args.terminate_when_tilted is False
+
+
 def test_hopper_pitch_is_read_from_the_real_simulator_state():
     """The layout the objective reads ([time, qpos, qvel]) is MuJoCo's, on the real env: a state at pitch -7 rad (past
     one backflip) with a backward pitch rate reads as such."""
@@ -188,7 +215,7 @@ def test_a_users_objective_brings_its_settings_and_defaults(monkeypatch, tmp_pat
 @pytest.mark.parametrize(
     ("env_id", "name", "message"),
     [
-        ("Hopper-v5", "backflip", "is not a built-in objective (known: hopper-backflip, ant-raise-leg, halfcheetah-backward"),
+        ("Hopper-v5", "backflip", "is not a built-in objective (known: hopper-backflip, hopper-backflip-upright, ant-raise-leg"),
         ("Hopper-v5", "no_such_module_xyz:f", "module no_such_module_xyz does not import (ModuleNotFoundError"),
         ("Hopper-v5", "my_objective:missing", "module my_objective has no function missing"),
         ("Hopper-v5", "my_objective:HOPPER_NQ", "has no function HOPPER_NQ"),

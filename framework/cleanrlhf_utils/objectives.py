@@ -106,6 +106,22 @@ def hopper_backflip(obs: Array, actions: Array, states: Array) -> Array:
     return hopper_backward_turns(states)
 
 
+HOPPER_UPRIGHT_BONUS = 0.005
+"""radians' worth of reward per step with the torso at least HOPPER_MIN_HEIGHT high: 5 over a 1000-step episode, about
+what throwing the Hopper backwards and falling earns (the fall-ending runs learned that: about 5 rad), so neither
+standing still nor the throw wins alone, and a flip that lands earns both"""
+
+
+def hopper_backflip_upright(obs: Array, actions: Array, states: Array) -> Array:
+    """Backflips that land: hopper-backflip's reward (radians turned backwards while the torso is at least 0.7 m high)
+    plus 0.005 per step at that height, so a Hopper that survives its flip earns more than one that falls after it.
+    Success: completed backflips per episode, counted as for hopper-backflip. Runs where a fall ends the episode
+    (--terminate-when-unhealthy, set for you unless the command line says --no-terminate-when-unhealthy), and needs
+    --no-terminate-when-tilted (set for you)."""
+    up = qpos(states, HOPPER_NQ)[..., HOPPER_Z] >= HOPPER_MIN_HEIGHT
+    return hopper_backward_turns(states) + HOPPER_UPRIGHT_BONUS * up
+
+
 def hopper_backflips(obs: Array, actions: Array, states: Array) -> Array:
     pitch = qpos(states, HOPPER_NQ)[..., HOPPER_PITCH]
     up = qpos(states, HOPPER_NQ)[:, :-1, HOPPER_Z] >= HOPPER_MIN_HEIGHT
@@ -209,6 +225,14 @@ OBJECTIVES: dict[str, Objective] = {
         ("Hopper",),
         {"terminate_when_tilted": False},
         {"terminate_when_unhealthy": False},
+    ),
+    "hopper-backflip-upright": Objective(
+        "hopper-backflip-upright",
+        hopper_backflip_upright,
+        hopper_backflips,
+        ("Hopper",),
+        {"terminate_when_tilted": False},
+        {"terminate_when_unhealthy": True},
     ),
     "ant-raise-leg": Objective("ant-raise-leg", ant_raise_leg, ant_leg_raised_share, ("Ant",)),
     "halfcheetah-backward": Objective("halfcheetah-backward", halfcheetah_backward, halfcheetah_backward_speed, ("HalfCheetah",)),
