@@ -88,11 +88,15 @@ HOPPER_MIN_HEIGHT = 0.7
 termination off, a fallen Hopper rolling over on the ground would otherwise score as flipping"""
 
 
+def hopper_torso_up(states: Array) -> Array:
+    """Whether the torso is at least HOPPER_MIN_HEIGHT above the ground, per state [...]."""
+    return qpos(states, HOPPER_NQ)[..., HOPPER_Z] >= HOPPER_MIN_HEIGHT
+
+
 def hopper_backward_turns(states: Array) -> Array:
     """Radians the torso turned backwards over each step [n, L] (-d pitch/dt x dt), counted only while it is at least
     HOPPER_MIN_HEIGHT above the ground."""
-    up = qpos(states, HOPPER_NQ)[..., HOPPER_Z] >= HOPPER_MIN_HEIGHT
-    return -qvel(states, HOPPER_NQ, HOPPER_NQ)[..., HOPPER_PITCH] * HOPPER_DT * up
+    return -qvel(states, HOPPER_NQ, HOPPER_NQ)[..., HOPPER_PITCH] * HOPPER_DT * hopper_torso_up(states)
 
 
 def hopper_backflip(obs: Array, actions: Array, states: Array) -> Array:
@@ -118,13 +122,12 @@ def hopper_backflip_upright(obs: Array, actions: Array, states: Array) -> Array:
     Success: completed backflips per episode, counted as for hopper-backflip. Runs where a fall ends the episode
     (--terminate-when-unhealthy, set for you unless the command line says --no-terminate-when-unhealthy), and needs
     --no-terminate-when-tilted (set for you)."""
-    up = qpos(states, HOPPER_NQ)[..., HOPPER_Z] >= HOPPER_MIN_HEIGHT
-    return hopper_backward_turns(states) + HOPPER_UPRIGHT_BONUS * up
+    return hopper_backward_turns(states) + HOPPER_UPRIGHT_BONUS * hopper_torso_up(states)
 
 
 def hopper_backflips(obs: Array, actions: Array, states: Array) -> Array:
     pitch = qpos(states, HOPPER_NQ)[..., HOPPER_PITCH]
-    up = qpos(states, HOPPER_NQ)[:, :-1, HOPPER_Z] >= HOPPER_MIN_HEIGHT
+    up = hopper_torso_up(states[:, :-1])
     backward = ((pitch[:, :-1] - pitch[:, 1:]) * up).sum(1)  # the unwrapped angle's change, where the step starts up
     return np.floor(np.maximum(0.0, backward) / (2 * np.pi))
 
