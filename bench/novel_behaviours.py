@@ -158,10 +158,16 @@ def recorded_ceilings(args) -> dict:
     """(objective, seed) -> the ceiling_* figures of that row of --ceiling-results, once its command is shown to have
     measured the same ceilings: same behaviour, steps, evaluation frequency and env flags (what the SAC runs saw)."""
     path = args.ceiling_results if args.ceiling_results.is_absolute() else REPO / args.ceiling_results
+    recorded_parser = build_parser()
+
+    def refuse(message: str):  # argparse would print its usage text and exit; this refusal is one line
+        raise ValueError(f"its command: {message}")
+
+    recorded_parser.error = refuse
     try:
         recorded = json.loads(path.read_text())
-        earlier = build_parser().parse_args(shlex.split(recorded["command"])[2:])
-    except (OSError, ValueError, KeyError, SystemExit) as error:
+        earlier = recorded_parser.parse_args(shlex.split(recorded["command"])[2:])
+    except (OSError, ValueError, KeyError) as error:
         raise SystemExit(f"--ceiling-results {args.ceiling_results}: not a results file of this benchmark ({error!r})") from None
     for setting in ("behaviour", "steps", "evaluation_frequency", "env_flags"):
         if getattr(earlier, setting) != getattr(args, setting):

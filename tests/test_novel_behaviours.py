@@ -96,6 +96,14 @@ def test_the_backflip_bench_runs_sac_on_the_objective_beside_each_preference_run
         result = subprocess.run(wrong_args, capture_output=True, text=True, timeout=600)
         assert result.returncode != 0 and named in result.stderr and len(result.stderr.strip().splitlines()) == 1
         assert not (tmp_path / "wrong").exists()
+    # A results file whose command this bench cannot parse is refused in one line too (no usage text before it).
+    tampered = json.loads((tmp_path / "backflip.json").read_text())
+    tampered["command"] += " --no-such-flag"
+    (tmp_path / "tampered.json").write_text(json.dumps(tampered))
+    wrong_args = [*BENCH, "--steps", "600", "--workdir", str(tmp_path / "wrong"), "--ceiling-results", str(tmp_path / "tampered.json")]
+    result = subprocess.run(wrong_args, capture_output=True, text=True, timeout=600)
+    assert result.returncode != 0 and "--no-such-flag" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "wrong").exists()
 
 
 def test_env_flags_shape_the_environment_of_the_preference_run_and_its_ceiling_alike(tmp_path):
