@@ -565,15 +565,31 @@ def preference_flags(result: dict) -> str:
     return flags or "(none)"
 
 
+def label_sessions(result: dict) -> str:
+    """When a novel-behaviours file's preference runs were asked, from its command: how many sessions, from the first
+    (after --explore-steps) to the last (every --feedback-frequency, until --labels or the run ran out), so that two
+    settings with the same --preference-flags but labels asked over different stretches of the run read apart."""
+    words = shlex.split(result.get("command", ""))
+    flags = {"--labels": None, "--queries-per-session": None, "--explore-steps": None, "--feedback-frequency": None, "--steps": None}
+    for flag in flags:
+        if flag in words[:-1]:
+            flags[flag] = int(words[words.index(flag) + 1])
+    if None in flags.values():
+        return "–"
+    first, every = flags["--explore-steps"], flags["--feedback-frequency"]
+    sessions = min(-(-flags["--labels"] // flags["--queries-per-session"]), (flags["--steps"] - 1 - first) // every + 1)
+    return f"{sessions}, {first / 1000:g}k–{(first + (sessions - 1) * every) / 1000:g}k"
+
+
 def settings_table(groups: list[list[dict]]) -> list[str]:
     """bench/novel_behaviours.py files compared by setting: one row per group of files (the seeds of one setting, run at
-    different times; a later file's seed replaces an earlier one's), with the objective's success and the return ratio to
+    different times; a later file's seed replaces an earlier one's), with when its labels were asked, the objective's success and the return ratio to
     the ceiling at the final evaluation, over the last three and over the last third of the run, each as the median
     [interquartile range] over seeds."""
     lines = [
-        "| preference flags | seeds | success, final | success, last 3 | success, last third "
+        "| preference flags | label sessions | seeds | success, final | success, last 3 | success, last third "
         "| return ratio, final | return ratio, last 3 | return ratio, last third |",
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for group in groups:
         by_seed = {row["seed"]: row for result in group for row in result["rows"]}
@@ -587,7 +603,7 @@ def settings_table(groups: list[list[dict]]) -> list[str]:
             [row["objective_success"] for row in rows], [row["objective_success_last3"] for row in rows], late,
             [row["return_ratio"] for row in rows], [row["return_ratio_last3"] for row in rows], late_ratio,
         ]  # fmt: skip
-        cells = [f"`{preference_flags(group[0])}`", ", ".join(str(seed) for seed in sorted(by_seed))]
+        cells = [f"`{preference_flags(group[0])}`", label_sessions(group[0]), ", ".join(str(seed) for seed in sorted(by_seed))]
         lines.append("| " + " | ".join(cells + [spread_cell(spread(values), 2) for values in columns]) + " |")
     return lines
 
