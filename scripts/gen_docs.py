@@ -566,25 +566,39 @@ def preference_flags(result: dict) -> str:
 
 
 def label_sessions(result: dict) -> str:
-    """When a novel-behaviours file's preference runs were asked, from its command: how many sessions, from the first
-    (after --explore-steps) to the last (every --feedback-frequency, until --labels or the run ran out), so that two
-    settings with the same --preference-flags but labels asked over different stretches of the run read apart."""
+    """When a novel-behaviours file's preference runs were asked, from its command: how many sessions had labels, the
+    steps of the first and the last, and the first and last session's labels, so that two settings with the same
+    --preference-flags but labels asked over different stretches of the run read apart. The counts come from
+    sac_rlhf.py's own `feedback_schedule` (an exponential schedule's last sessions can round to no label), and a
+    session is due every --feedback-frequency steps from --explore-steps, while the run lasts."""
     words = shlex.split(result.get("command", ""))
-    flags = {"--labels": None, "--queries-per-session": None, "--explore-steps": None, "--feedback-frequency": None, "--steps": None}
-    for flag in flags:
+    bench = {"--labels": None, "--queries-per-session": None, "--explore-steps": None, "--feedback-frequency": None, "--steps": None}
+    for flag in bench:
         if flag in words[:-1]:
-            flags[flag] = int(words[words.index(flag) + 1])
-    if None in flags.values():
+            bench[flag] = int(words[words.index(flag) + 1])
+    if None in bench.values():
         return "–"
-    first, every = flags["--explore-steps"], flags["--feedback-frequency"]
-    sessions = min(-(-flags["--labels"] // flags["--queries-per-session"]), (flags["--steps"] - 1 - first) // every + 1)
-    return f"{sessions}, {first / 1000:g}k–{(first + (sessions - 1) * every) / 1000:g}k"
+    sys.path.insert(0, str(REPO / "framework"))
+    from sac_rlhf import Args, feedback_schedule  # noqa: PLC0415  (torch: imported only where a table needs it)
+
+    run = shlex.split(preference_flags(result)) if preference_flags(result) != "(none)" else []
+    kind = (
+        run[run.index("--teacher-feedback-schedule") + 1] if "--teacher-feedback-schedule" in run[:-1] else Args.teacher_feedback_schedule
+    )
+    decay = Args.teacher_feedback_exponential_decay
+    if "--teacher-feedback-exponential-decay" in run[:-1]:
+        decay = float(run[run.index("--teacher-feedback-exponential-decay") + 1])
+    first, every = bench["--explore-steps"], bench["--feedback-frequency"]
+    counts = feedback_schedule(bench["--labels"], bench["--queries-per-session"], kind, decay)
+    counts = counts[: (bench["--steps"] - 1 - first) // every + 1]  # the sessions due before the run ends
+    last = first + (len(counts) - 1) * every
+    return f"{len(counts)}, {first / 1000:g}k–{last / 1000:g}k, {counts[0]} → {counts[-1]} labels"
 
 
 def settings_table(groups: list[list[dict]]) -> list[str]:
     """bench/novel_behaviours.py files compared by setting: one row per group of files (the seeds of one setting, run at
-    different times; a later file's seed replaces an earlier one's), with when its labels were asked, the objective's success and the return ratio to
-    the ceiling at the final evaluation, over the last three and over the last third of the run, each as the median
+    different times; a later file's seed replaces an earlier one's), with when its labels were asked, the objective's
+    success and the return ratio to the ceiling at the final evaluation, over the last three and over the last third of the run, each as the median
     [interquartile range] over seeds."""
     lines = [
         "| preference flags | label sessions | seeds | success, final | success, last 3 | success, last third "

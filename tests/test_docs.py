@@ -410,10 +410,10 @@ def novel_behaviours_row(seed: int, success: float, ratio: float, late_success: 
 
 def test_a_settings_table_pools_each_settings_seeds_and_reads_the_last_third_of_the_curves():
     """`<!-- table: settings a+b c -->`: one row per setting (a and b pooled by seed, b's seed 2 replacing a's), named
-    by its --preference-flags and when its labels were asked (sessions from --explore-steps every --feedback-frequency,
-    until the labels or the steps run out), each column the median [interquartile range] over seeds; the last third
-    averages only the evaluations past 2/3 of the steps, and its ratio is the run's late objective return over the
-    ceiling's."""
+    by its --preference-flags and when its labels were asked (sessions with labels, from --explore-steps every
+    --feedback-frequency while the run lasts, and the first and last session's labels under the run's schedule), each
+    column the median [interquartile range] over seeds; the last third averages only the evaluations past 2/3 of the
+    steps, and its ratio is the run's late objective return over the ceiling's."""
     schedule = "--steps 150000 --labels 1000 --explore-steps 5000 --feedback-frequency 7500 --queries-per-session 50"
     first = {"command": f"python bench/novel_behaviours.py {schedule} --preference-flags='--no-surf --x 1'", "rows": []}
     first["rows"] = [novel_behaviours_row(1, 1.0, 0.2, 0.0, 2.0), novel_behaviours_row(2, 9.0, 9.0, 9.0, 9.0)]
@@ -423,12 +423,17 @@ def test_a_settings_table_pools_each_settings_seeds_and_reads_the_last_third_of_
     lines = gen_docs.fill_tables(page, {"novel_a": first, "novel_b": second}, "page.md").splitlines()
     assert lines[1].startswith("| preference flags | label sessions | seeds | success, final |")
     assert lines[3] == (
-        "| `--no-surf --x 1` | 20, 5k–147.5k | 1, 2, 3 | 2.00 [1.50, 2.50] | 3.00 [2.50, 3.50] | 1.00 [0.50, 1.50] "
+        "| `--no-surf --x 1` | 20, 5k–147.5k, 202 → 3 labels | 1, 2, 3 | 2.00 [1.50, 2.50] | 3.00 [2.50, 3.50] | 1.00 [0.50, 1.50] "
         "| 0.40 [0.30, 0.50] | 1.40 [1.30, 1.50] | 0.40 [0.30, 0.50] |"
     )
     assert lines[4].startswith("| `(none)` | – | 2, 3 | 2.50 [2.25, 2.75] |")
-    # the same labels in bigger sessions end sooner; in a shorter run, the steps run out before the labels do
-    assert gen_docs.label_sessions({"command": schedule.replace("session 50", "session 100")}) == "10, 5k–72.5k"
-    assert gen_docs.label_sessions({"command": schedule.replace("steps 150000", "steps 50000")}) == "6, 5k–42.5k"
+    # sac_rlhf.py's default schedule is exponential: smaller sessions on average stretch it until they round to
+    # no label; an even schedule asks the same each time; in a shorter run, the steps run out before the labels do
+    smaller = {"command": schedule.replace("session 50", "session 25").replace("steps 150000", "steps 300000")}
+    assert gen_docs.label_sessions(smaller) == "28, 5k–207.5k, 200 → 1 labels"
+    even = {"command": schedule + " --preference-flags='--teacher-feedback-schedule linear'"}
+    assert gen_docs.label_sessions(even) == "20, 5k–147.5k, 50 → 50 labels"
+    even["command"] = even["command"].replace("steps 150000", "steps 50000")
+    assert gen_docs.label_sessions(even) == "6, 5k–42.5k, 50 → 50 labels"
     with pytest.raises(SystemExit, match="no bench/results/novel_c.json"):
         gen_docs.fill_tables("<!-- table: settings novel_a+novel_c -->\n<!-- /table -->", {"novel_a": first}, "page.md")
