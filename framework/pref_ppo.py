@@ -259,7 +259,8 @@ class PreferenceArgs:
     preference_sampling_pool_factor: int = 10
     """candidate pool size = factor x queries (disagree/entropy)"""
     teacher_beta: float = -1.0
-    """rationality: >= 0 draws the label from the Bradley-Terry probability with this temperature; < 0 is perfectly rational"""
+    """rationality: >= 0 draws the label from the Bradley-Terry probability with this temperature; < 0 is perfectly
+    rational (two segments worth exactly the same: a tie, 0.5)"""
     teacher_gamma: float = 1.0
     """myopic discount: step t of a segment of length L weighs gamma^(L-1-t)"""
     teacher_eps_mistake: float = 0.0
@@ -1224,8 +1225,8 @@ class SyntheticTeacher(Teacher):
         if self.beta >= 0:
             p_second = 1.0 / (1.0 + np.exp(-self.beta * diff))
             labels = (self.rng.random(len(diff)) < p_second).astype(np.float32)
-        else:
-            labels = (diff > 0).astype(np.float32)
+        else:  # a perfect teacher prefers neither of two segments worth the same: a tie, not "the first one"
+            labels = np.where(diff == 0, 0.5, diff > 0).astype(np.float32)
         flip = self.rng.random(len(labels)) < self.eps_mistake
         labels[flip] = 1.0 - labels[flip]
         if self.eps_equal > 0:

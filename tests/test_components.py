@@ -262,6 +262,19 @@ def test_teacher_bradley_terry_is_stochastic_with_the_right_frequency(algo):
     assert not np.array_equal(again, t.label_true_rewards(rewards[:200]))  # same inputs, new draws
 
 
+def test_a_perfect_teacher_calls_two_segments_worth_the_same_a_tie_not_a_preference_for_the_first(algo):
+    """A sparse objective (the backflip's reward is 0 while the torso is low) scores most pairs 0 against 0. The
+    teacher must not prefer segment 0 there: half of a backflip run's labels were such pairs, every one saying "the
+    first", a preference the reward model can only memorise. Mistakes leave a tie a tie; β-rational teachers still
+    draw (p = 1/2), and pairs that differ, however little, keep their side."""
+    returns = [(0.0, 0.0), (0.0, 1e-6), (2.0, 2.0), (-1.0, -1.0), (3.0, 0.5)]
+    np.testing.assert_array_equal(teacher(algo).label_true_rewards(constant_pairs(returns)), [0.5, 1.0, 0.5, 0.5, 0.0])
+    mistaken = teacher(algo, eps_mistake=0.5, seed=2).label_true_rewards(constant_pairs([(0.0, 0.0)] * 200))
+    assert np.all(mistaken == 0.5)
+    drawn = teacher(algo, beta=1.0, seed=3).label_true_rewards(constant_pairs([(0.0, 0.0)] * 4000))
+    assert set(np.unique(drawn)) == {0.0, 1.0} and abs(drawn.mean() - 0.5) < 0.05
+
+
 def test_teacher_rational_is_deterministic(algo):
     rng = np.random.default_rng(4)
     rewards = rng.standard_normal((500, 2, 6))
@@ -278,9 +291,9 @@ def test_teacher_myopic_gamma_prefers_recent_reward(algo):
     myopic = teacher(algo, gamma=0.8)
     assert myopic.label_true_rewards(late_second)[0] == 1.0
     assert myopic.label_true_rewards(late_first)[0] == 0.0
-    # gamma = 1: equal returns, the content does not decide (strict comparison -> segment 0 both ways).
+    # gamma = 1: equal returns, the content does not decide: a tie both ways.
     farsighted = teacher(algo, gamma=1.0)
-    assert farsighted.label_true_rewards(late_second)[0] == farsighted.label_true_rewards(late_first)[0] == 0.0
+    assert farsighted.label_true_rewards(late_second)[0] == farsighted.label_true_rewards(late_first)[0] == 0.5
     # The tie margin is on undiscounted returns (B-Pref): a tie even for the myopic teacher.
     myopic_ties = teacher(algo, gamma=0.8, eps_equal=0.1)
     myopic_ties.set_margin(10.0)
