@@ -556,41 +556,39 @@ def late_mean(curve: list[list[float]], steps: int) -> float | None:
     return sum(late) / len(late) if late else None
 
 
+def command_value(words: list[str], flag: str) -> str | None:
+    """The value a recorded command gave `flag` (`--flag value` or `--flag=value`), or None."""
+    value = next((word.partition("=")[2] for word in words if word.startswith(f"{flag}=")), None)
+    if value is None and flag in words[:-1]:
+        value = words[words.index(flag) + 1]
+    return value
+
+
 def preference_flags(result: dict) -> str:
     """What a novel-behaviours file's preference runs were given (--preference-flags in its command)."""
-    words = shlex.split(result.get("command", ""))
-    flags = next((word.partition("=")[2] for word in words if word.startswith("--preference-flags=")), None)
-    if flags is None and "--preference-flags" in words[:-1]:
-        flags = words[words.index("--preference-flags") + 1]
-    return flags or "(none)"
+    return command_value(shlex.split(result.get("command", "")), "--preference-flags") or "(none)"
 
 
 def label_sessions(result: dict) -> str:
     """When a novel-behaviours file's preference runs were asked, from its command: how many sessions had labels, the
     steps of the first and the last, and the first and last session's labels, so that two settings with the same
     --preference-flags but labels asked over different stretches of the run read apart. The counts come from
-    sac_rlhf.py's own `feedback_schedule` (an exponential schedule's last sessions can round to no label), and a
-    session is due every --feedback-frequency steps from --explore-steps, while the run lasts."""
+    sac_rlhf.py's own `feedback_schedule` on its own parse of the flags (an exponential schedule's last sessions can
+    round to no label), and a session is due every --feedback-frequency steps from --explore-steps, while the run lasts."""
+    from common import run_settings, script_module  # noqa: PLC0415  (imports sac_rlhf.py and torch: only where a table needs it)
+
     words = shlex.split(result.get("command", ""))
-    bench = {"--labels": None, "--queries-per-session": None, "--explore-steps": None, "--feedback-frequency": None, "--steps": None}
-    for flag in bench:
-        if flag in words[:-1]:
-            bench[flag] = int(words[words.index(flag) + 1])
+    bench = {
+        flag: command_value(words, flag)
+        for flag in ("--labels", "--queries-per-session", "--explore-steps", "--feedback-frequency", "--steps")
+    }
     if None in bench.values():
         return "–"
-    sys.path.insert(0, str(REPO / "framework"))
-    from sac_rlhf import Args, feedback_schedule  # noqa: PLC0415  (torch: imported only where a table needs it)
-
-    run = shlex.split(preference_flags(result)) if preference_flags(result) != "(none)" else []
-    kind = (
-        run[run.index("--teacher-feedback-schedule") + 1] if "--teacher-feedback-schedule" in run[:-1] else Args.teacher_feedback_schedule
-    )
-    decay = Args.teacher_feedback_exponential_decay
-    if "--teacher-feedback-exponential-decay" in run[:-1]:
-        decay = float(run[run.index("--teacher-feedback-exponential-decay") + 1])
-    first, every = bench["--explore-steps"], bench["--feedback-frequency"]
-    counts = feedback_schedule(bench["--labels"], bench["--queries-per-session"], kind, decay)
-    counts = counts[: (bench["--steps"] - 1 - first) // every + 1]  # the sessions due before the run ends
+    labels, per_session, first, every, steps = (int(value) for value in bench.values())
+    run = run_settings("sac_rlhf.py", shlex.split(command_value(words, "--preference-flags") or ""))[0]
+    schedule = script_module("sac_rlhf.py").feedback_schedule
+    counts = schedule(labels, per_session, run["teacher_feedback_schedule"], run["teacher_feedback_exponential_decay"])
+    counts = counts[: (steps - 1 - first) // every + 1]  # the sessions due before the run ends
     last = first + (len(counts) - 1) * every
     return f"{len(counts)}, {first / 1000:g}k–{last / 1000:g}k, {counts[0]} → {counts[-1]} labels"
 
@@ -598,8 +596,8 @@ def label_sessions(result: dict) -> str:
 def settings_table(groups: list[list[dict]]) -> list[str]:
     """bench/novel_behaviours.py files compared by setting: one row per group of files (the seeds of one setting, run at
     different times; a later file's seed replaces an earlier one's), with when its labels were asked, the objective's
-    success and the return ratio to the ceiling at the final evaluation, over the last three and over the last third of the run, each as the median
-    [interquartile range] over seeds."""
+    success and the return ratio to the ceiling at the final evaluation, over the last three and over the last third of
+    the run, each as the median [interquartile range] over seeds."""
     lines = [
         "| preference flags | label sessions | seeds | success, final | success, last 3 | success, last third "
         "| return ratio, final | return ratio, last 3 | return ratio, last third |",

@@ -415,7 +415,10 @@ def test_a_settings_table_pools_each_settings_seeds_and_reads_the_last_third_of_
     column the median [interquartile range] over seeds; the last third averages only the evaluations past 2/3 of the
     steps, and its ratio is the run's late objective return over the ceiling's."""
     schedule = "--steps 150000 --labels 1000 --explore-steps 5000 --feedback-frequency 7500 --queries-per-session 50"
-    first = {"command": f"python bench/novel_behaviours.py {schedule} --preference-flags='--no-surf --x 1'", "rows": []}
+    first = {
+        "command": f"python bench/novel_behaviours.py {schedule} --preference-flags='--no-surf --reset-agent-below-correlation 0.9'",
+        "rows": [],
+    }
     first["rows"] = [novel_behaviours_row(1, 1.0, 0.2, 0.0, 2.0), novel_behaviours_row(2, 9.0, 9.0, 9.0, 9.0)]
     second = {"command": "python bench/novel_behaviours.py --seeds 2 3", "rows": []}
     second["rows"] = [novel_behaviours_row(2, 2.0, 0.4, 1.0, 4.0), novel_behaviours_row(3, 3.0, 0.6, 2.0, 6.0)]
@@ -423,7 +426,7 @@ def test_a_settings_table_pools_each_settings_seeds_and_reads_the_last_third_of_
     lines = gen_docs.fill_tables(page, {"novel_a": first, "novel_b": second}, "page.md").splitlines()
     assert lines[1].startswith("| preference flags | label sessions | seeds | success, final |")
     assert lines[3] == (
-        "| `--no-surf --x 1` | 20, 5k–147.5k, 202 → 3 labels | 1, 2, 3 | 2.00 [1.50, 2.50] | 3.00 [2.50, 3.50] | 1.00 [0.50, 1.50] "
+        "| `--no-surf --reset-agent-below-correlation 0.9` | 20, 5k–147.5k, 202 → 3 labels | 1, 2, 3 | 2.00 [1.50, 2.50] | 3.00 [2.50, 3.50] | 1.00 [0.50, 1.50] "
         "| 0.40 [0.30, 0.50] | 1.40 [1.30, 1.50] | 0.40 [0.30, 0.50] |"
     )
     assert lines[4].startswith("| `(none)` | – | 2, 3 | 2.50 [2.25, 2.75] |")
