@@ -593,17 +593,20 @@ def label_sessions(result: dict) -> str:
     return f"{len(counts)}, {first / 1000:g}k–{last / 1000:g}k, {counts[0]} → {counts[-1]} labels"
 
 
-def settings_table(groups: list[list[dict]]) -> list[str]:
+def settings_table(groups: list[list[dict]], teachers: list[str | None]) -> list[str]:
     """bench/novel_behaviours.py files compared by setting: one row per group of files (the seeds of one setting, run at
     different times; a later file's seed replaces an earlier one's), with when its labels were asked, the objective's
     success and the return ratio to the ceiling at the final evaluation, over the last three and over the last third of
-    the run, each as the median [interquartile range] over seeds."""
+    the run, each as the median [interquartile range] over seeds. `teachers`, one per group: what the page says about
+    the teacher each group ran with (a code change the command cannot show, such as how exact ties were labelled); a
+    "teacher" column where any is given."""
+    with_teacher = any(teachers)
     lines = [
-        "| preference flags | label sessions | seeds | success, final | success, last 3 | success, last third "
-        "| return ratio, final | return ratio, last 3 | return ratio, last third |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| preference flags | label sessions |" + (" teacher |" if with_teacher else "") + " seeds | success, final "
+        "| success, last 3 | success, last third | return ratio, final | return ratio, last 3 | return ratio, last third |",
+        "|---|---|---|---|---|---|---|---|---|" + ("---|" if with_teacher else ""),
     ]
-    for group in groups:
+    for group, teacher in zip(groups, teachers, strict=True):
         by_seed = {row["seed"]: row for result in group for row in result["rows"]}
         rows = [by_seed[seed] for seed in sorted(by_seed)]
         late = [late_mean(row["objective_success_curve"], row["steps"]) for row in rows]
@@ -615,7 +618,8 @@ def settings_table(groups: list[list[dict]]) -> list[str]:
             [row["objective_success"] for row in rows], [row["objective_success_last3"] for row in rows], late,
             [row["return_ratio"] for row in rows], [row["return_ratio_last3"] for row in rows], late_ratio,
         ]  # fmt: skip
-        cells = [f"`{preference_flags(group[0])}`", label_sessions(group[0]), ", ".join(str(seed) for seed in sorted(by_seed))]
+        cells = [f"`{preference_flags(group[0])}`", label_sessions(group[0])] + ([teacher or "–"] if with_teacher else [])
+        cells.append(", ".join(str(seed) for seed in sorted(by_seed)))
         lines.append("| " + " | ".join(cells + [spread_cell(spread(values), 2) for values in columns]) + " |")
     return lines
 
@@ -661,7 +665,8 @@ def measurements_page(results: dict[str, dict]) -> str:
 # `feedback`: the per-seed table of feedback-efficiency files (rows of all files, a median row); `rows`: one file's
 # `rows` (or `results`, `medians`) as they are; `gap`: a bench/reward_gap.py file's decomposition; `noise`: noisy-teacher
 # feedback-efficiency files (one defence each) against the oracle teacher (their --oracle-from); `settings`:
-# bench/novel_behaviours.py files side by side, one row per token, where `a+b` pools the seeds of files a and b.
+# bench/novel_behaviours.py files side by side, one row per token, where `a+b` pools the seeds of files a and b and
+# `a+b=ties-as-ties` names the teacher they ran with (dashes read as spaces) in a column of its own.
 TABLE_MARKER = re.compile(r"(<!-- table: (\w+) ([^>]*?) -->\n)(.*?)(<!-- /table -->)", re.S)
 
 
@@ -678,7 +683,7 @@ def measured_columns(columns: list[str] | None, rows: list[dict], strict: bool =
 
 
 def marked_table(kind: str, tokens: list[str], results: dict[str, dict], where: str, repo: Path = REPO) -> str:
-    stems = [stem for token in tokens for stem in token.split("+")]
+    stems = [stem for token in tokens for stem in token.partition("=")[0].split("+")]
     missing = [stem for stem in stems if stem not in results]
     if missing:
         raise SystemExit(f"{where}: no bench/results/{missing[0]}.json for its table marker")
@@ -689,8 +694,10 @@ def marked_table(kind: str, tokens: list[str], results: dict[str, dict], where: 
         return "\n".join(gap_table(results[stems[0]])) + "\n"
     if kind == "noise":
         return "\n".join(noise_table([results[stem] for stem in stems], repo)) + "\n"
-    if kind == "settings":  # one row per token; a token's stems joined by + are one setting's seeds
-        return "\n".join(settings_table([[results[stem] for stem in token.split("+")] for token in tokens])) + "\n"
+    if kind == "settings":  # one row per token; a token's stems joined by + are one setting's seeds, `=name` its teacher
+        groups = [token.partition("=") for token in tokens]
+        files = [[results[stem] for stem in stems.split("+")] for stems, _, _ in groups]
+        return "\n".join(settings_table(files, [teacher.replace("-", " ") or None for _, _, teacher in groups])) + "\n"
     if kind == "rows":  # the files' rows one after another, in the columns of the first file's kind
         rows = [
             row

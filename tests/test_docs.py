@@ -408,12 +408,13 @@ def novel_behaviours_row(seed: int, success: float, ratio: float, late_success: 
     }  # fmt: skip
 
 
-def test_a_settings_table_pools_each_settings_seeds_and_reads_the_last_third_of_the_curves():
+def test_a_settings_table_pools_each_settings_seeds_reads_the_last_third_and_names_the_teacher_where_the_page_does():
     """`<!-- table: settings a+b c -->`: one row per setting (a and b pooled by seed, b's seed 2 replacing a's), named
     by its --preference-flags and when its labels were asked (sessions with labels, from --explore-steps every
     --feedback-frequency while the run lasts, and the first and last session's labels under the run's schedule), each
     column the median [interquartile range] over seeds; the last third averages only the evaluations past 2/3 of the
-    steps, and its ratio is the run's late objective return over the ceiling's."""
+    steps, and its ratio is the run's late objective return over the ceiling's. `a+b=name` names the teacher a setting
+    ran with, which its command cannot show."""
     schedule = "--steps 150000 --labels 1000 --explore-steps 5000 --feedback-frequency 7500 --queries-per-session 50"
     first = {
         "command": f"python bench/novel_behaviours.py {schedule} --preference-flags='--no-surf --reset-agent-below-correlation 0.9'",
@@ -430,6 +431,15 @@ def test_a_settings_table_pools_each_settings_seeds_and_reads_the_last_third_of_
         "| 0.40 [0.30, 0.50] | 1.40 [1.30, 1.50] | 0.40 [0.30, 0.50] |"
     )
     assert lines[4].startswith("| `(none)` | – | 2, 3 | 2.50 [2.25, 2.75] |")
+    # `=name` says which teacher a setting's files ran with, in a column of its own (a setting without one: –)
+    page = "<!-- table: settings novel_a+novel_b=ties-as-ties novel_b -->\n<!-- /table -->"
+    lines = gen_docs.fill_tables(page, {"novel_a": first, "novel_b": second}, "page.md").splitlines()
+    assert lines[1].startswith("| preference flags | label sessions | teacher | seeds | success, final |")
+    assert lines[3].startswith(
+        "| `--no-surf --reset-agent-below-correlation 0.9` | 20, 5k–147.5k, 202 → 3 labels | ties as ties | 1, 2, 3 | 2.00 [1.50, 2.50] |"
+    )
+    assert lines[4].startswith("| `(none)` | – | – | 2, 3 | 2.50 [2.25, 2.75] |")
+    assert lines[2].count("|") == lines[3].count("|")
     # sac_rlhf.py's default schedule is exponential: smaller sessions on average stretch it until they round to
     # no label; an even schedule asks the same each time; in a shorter run, the steps run out before the labels do
     smaller = {"command": schedule.replace("session 50", "session 25").replace("steps 150000", "steps 300000")}
