@@ -601,11 +601,9 @@ def settings_table(groups: list[list[dict]], teachers: list[str | None]) -> list
     the teacher each group ran with (a code change the command cannot show, such as how exact ties were labelled); a
     "teacher" column where any is given."""
     with_teacher = any(teachers)
-    lines = [
-        "| preference flags | label sessions |" + (" teacher |" if with_teacher else "") + " seeds | success, final "
-        "| success, last 3 | success, last third | return ratio, final | return ratio, last 3 | return ratio, last third |",
-        "|---|---|---|---|---|---|---|---|---|" + ("---|" if with_teacher else ""),
-    ]
+    header = ["preference flags", "label sessions"] + (["teacher"] if with_teacher else []) + ["seeds"]
+    header += [f"{figure}, {reading}" for figure in ("success", "return ratio") for reading in ("final", "last 3", "last third")]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for group, teacher in zip(groups, teachers, strict=True):
         by_seed = {row["seed"]: row for result in group for row in result["rows"]}
         rows = [by_seed[seed] for seed in sorted(by_seed)]
