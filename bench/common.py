@@ -6,9 +6,11 @@ import importlib.util
 import json
 import os
 import platform
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -79,13 +81,21 @@ def wait_all(processes: list[subprocess.Popen], names: list[str]) -> None:
             raise SystemExit(f"benchmark run {name} failed with exit code {process.returncode}")
 
 
+def exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
 def run_pool(starts: list, names: list[str], parallel: int, poll_seconds: float = 2.0, grace_seconds: float = 300.0) -> None:
     """Runs the jobs (`starts`: callables that start one process each) `parallel` at a time, starting the next as soon
     as any finishes: runs of unequal length (a preference run and its baseline) keep every core busy, where batches
     would wait for the slowest of each. When one fails, the others are stopped as SIGTERM stops a run (it saves the
     checkpoint --resume-unfinished continues from); on Ctrl-C, which the terminal also sends the runs, they are given
-    the time to save. What has not stopped after `grace_seconds` is killed."""
+    the time to save. SIGTERM to the benchmark alone (`kill`, a SLURM job's end) stops it as a failure does, then
+    exits 143: Python's default would end it on the spot and leave its runs going on their own. What has not stopped
+    after `grace_seconds` is killed."""
     pending, running, interrupted = list(zip(starts, names)), [], False
+    terminate_on_sigterm = threading.current_thread() is threading.main_thread()  # only there can a handler be set
+    previous_handler = signal.signal(signal.SIGTERM, exit_on_sigterm) if terminate_on_sigterm else None
     try:
         while pending or running:
             while pending and len(running) < parallel:
@@ -102,7 +112,11 @@ def run_pool(starts: list, names: list[str], parallel: int, poll_seconds: float 
         interrupted = True  # not signalled again: a second signal would cut their saving short
         raise
     finally:
+        if terminate_on_sigterm:  # a second SIGTERM while the runs save is ignored: it would cut the wait short
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
         stop_runs([process for process, _ in running], signal_them=not interrupted, grace_seconds=grace_seconds)
+        if terminate_on_sigterm:
+            signal.signal(signal.SIGTERM, previous_handler if previous_handler is not None else signal.SIG_DFL)
 
 
 def stop_runs(processes: list[subprocess.Popen], signal_them: bool, grace_seconds: float) -> None:

@@ -1,9 +1,11 @@
 """The benchmarks' own machinery: how they schedule runs and what they report from them."""
 
 import argparse
+import contextlib
 import functools
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -129,6 +131,49 @@ pathlib.Path({str(tmp_path)!r}, "finished").touch()
     with pytest.raises(KeyboardInterrupt):
         run_pool([functools.partial(start, finishes), ctrl_c], ["saving", "next"], parallel=2, poll_seconds=0.05, grace_seconds=30)
     assert (tmp_path / "finished").exists() and not (tmp_path / "signalled").exists()
+
+
+def test_a_benchmark_stopped_by_sigterm_lets_its_runs_save_and_leaves_none_running(tmp_path):
+    """SIGTERM to the benchmark alone (`kill`, `scancel` of a batch script that ran it) must stop its runs as SIGTERM
+    stops a script: each saves its checkpoint and exits, and the benchmark exits 143 once they have. Before, Python's
+    default action ended the benchmark on the spot and its runs went on as orphans, writing into the workdir that a
+    rerun with --resume-unfinished then resumed a second time beside them."""
+    run = f"""
+import os, pathlib, signal, sys, time
+def save(signum, frame):
+    time.sleep(0.5)  # writing a checkpoint takes a while
+    pathlib.Path({str(tmp_path)!r}, f"saved_{{sys.argv[1]}}").write_text("terminated")
+    sys.exit(143)
+signal.signal(signal.SIGTERM, save)
+pathlib.Path({str(tmp_path)!r}, f"pid_{{sys.argv[1]}}").write_text(str(os.getpid()))
+time.sleep(120)
+"""
+    bench = f"""
+import functools, subprocess, sys
+sys.path.insert(0, {str(REPO / "bench")!r})
+from common import run_pool
+start = lambda name: subprocess.Popen([sys.executable, "-c", {run!r}, name])
+run_pool([functools.partial(start, "a"), functools.partial(start, "b")], ["a", "b"], parallel=2, poll_seconds=0.05)
+"""
+    benchmark = subprocess.Popen([sys.executable, "-c", bench])
+    pids = [tmp_path / f"pid_{name}" for name in "ab"]
+    try:
+        deadline = time.monotonic() + 60
+        while not all(pid.exists() for pid in pids):
+            assert time.monotonic() < deadline and benchmark.poll() is None, "the runs never started"
+            time.sleep(0.05)
+        time.sleep(0.2)  # the runs' handlers are set right before their pid files are written
+        benchmark.terminate()  # the benchmark only, as `kill PID` does
+        assert benchmark.wait(timeout=60) == 143
+        for name, pid in zip("ab", pids):
+            assert (tmp_path / f"saved_{name}").read_text() == "terminated"
+            with pytest.raises(ProcessLookupError):  # reaped by the benchmark, not left running
+                os.kill(int(pid.read_text()), 0)
+    finally:  # whatever the outcome, no run outlives the test
+        benchmark.kill()
+        for pid in pids:
+            with contextlib.suppress(OSError, ValueError):
+                os.kill(int(pid.read_text()), signal.SIGKILL)
 
 
 def test_last_evaluations_mean_is_the_mean_of_the_last_three_or_nothing():
