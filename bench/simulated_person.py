@@ -167,6 +167,7 @@ def trainer_flags(args, seed: int, run_name: str, base: str, asynchronous: bool)
         "--teacher-feedback-mode", "human", "--feedback-server-url", base, "--feedback-server-autostart",
         "--feedback-poll-seconds", "0.25", "--feedback-check-clips", "0",
         *(["--feedback-async", "--feedback-async-poll-steps", str(args.async_poll_steps)] if asynchronous else []),
+        *shlex.split(args.preference_flags),
     ]  # fmt: skip
 
 
@@ -239,6 +240,7 @@ def main() -> None:
                         help="seconds the person thinks after watching a clip once, drawn uniformly")  # fmt: skip
     parser.add_argument("--person-eps-mistake", type=float, default=0.1, help="share of answers the person gets wrong")
     parser.add_argument("--person-beta", type=float, default=-1.0, help="beta-rational person on objective returns; -1: off")
+    parser.add_argument("--preference-flags", default="", help="more sac_rlhf.py flags for the trainer, one string (e.g. a noise defence)")
     parser.add_argument("--workdir", type=Path, default=REPO / "bench" / "workdir" / "simulated_person")
     parser.add_argument("--output", type=Path, default=REPO / "bench" / "results" / "simulated_person_windmill.json")
     args = parser.parse_args()

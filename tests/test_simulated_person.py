@@ -23,7 +23,8 @@ def test_a_person_on_the_page_gives_the_run_labels_that_prefer_what_they_want(tm
         sys.executable, str(REPO / "bench" / "simulated_person.py"), "--seeds", "1", "--modes", "async",
         "--objective", "windmill-counterclockwise", "--steps", "1500", "--explore-steps", "500", "--labels", "6",
         "--pairs-per-session", "3", "--feedback-frequency", "300", "--evaluation-frequency", "1500",
-        "--answer-delay", "0", "0.2", "--person-eps-mistake", "0", "--workdir", str(tmp_path / "work"),
+        "--answer-delay", "0", "0.2", "--person-eps-mistake", "0", "--preference-flags=--robust-labels smooth",
+        "--workdir", str(tmp_path / "work"),
         "--output", str(tmp_path / "out.json"),
     ]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
@@ -37,9 +38,12 @@ def test_a_person_on_the_page_gives_the_run_labels_that_prefer_what_they_want(tm
     # A person without mistakes agrees with the objective, and the trainer measured the same from their answers.
     assert row["person_agreement"] == 1.0 and row["trainer_agreement"] == 1.0
 
+    # The trainer ran with the benchmark's extra flags (a noise defence here)
+    run_dir = tmp_path / "work" / "runs" / row["run_name"]
+    assert json.loads((run_dir / "args.json").read_text())["robust_labels"] == "smooth"
+
     # What reached the run: every label prefers the segment the objective (recomputed from the stored segments) ranks
     # higher, so query ids, sides and segments line up from the trainer's log through the page and server back to it.
-    run_dir = tmp_path / "work" / "runs" / row["run_name"]
     segments, labels = read_label_file(run_dir / "labels.sqlite")
     returns = segment_rewards(load_objective("windmill-counterclockwise"), segments, obs_dim=3).sum(-1)
     assert len(labels) == 6
