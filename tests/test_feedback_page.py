@@ -97,6 +97,11 @@ def wait_for_answers(server, n: int, timeout: float = 10.0) -> list[dict]:
         time.sleep(0.1)
 
 
+def by_pair(answers: list[dict]) -> list[dict]:
+    """Answers grouped by pair in the order the pairs were shown (query ids rise), each pair's in the server's order."""
+    return sorted(answers, key=lambda a: int(a["query_id"]))
+
+
 def shown_query(page) -> str:
     return page.get_attribute("#pairs", "data-query-id")
 
@@ -154,7 +159,9 @@ def test_label_by_click_and_key_then_undo_and_reward_view(server, browser):
         assert "every 2 s" in page.inner_text("#waiting")
         assert page.evaluate("() => window.__noReload") is True  # no page reload happened
 
-        got = wait_for_answers(server, 2)
+        # the page sends each answer on its own (an outbox per pair), so two quick answers can reach the server in
+        # either order: compare them pair by pair, each pair's writes in the order the server stored them
+        got = by_pair(wait_for_answers(server, 2))
         assert [(str(a["query_id"]), a["choice"], a["annotator"]) for a in got] == [(first, "left", "tester"), (second, "right", "tester")]
 
         page.click("#undo")  # the last pair comes back and its label is withdrawn
@@ -162,7 +169,7 @@ def test_label_by_click_and_key_then_undo_and_reward_view(server, browser):
         assert page.is_hidden("#waiting")
         page.keyboard.press("ArrowDown")
         page.wait_for_selector("#waiting", state="visible", timeout=10_000)
-        got = wait_for_answers(server, 3)
+        got = by_pair(wait_for_answers(server, 3))
         assert [(str(a["query_id"]), a["choice"]) for a in got] == [(first, "left"), (second, "undone"), (second, "skip")]
 
         page.reload()  # the name was typed once: it is remembered
