@@ -1,26 +1,31 @@
 """Human feedback server: people compare two clips of an agent and choose left / right / tie / skip.
 
 Run:  python humanFeedback/feedback_server.py --port 5001 --data-dir ./feedback_data [--token SECRET] [--threads 8]
-      (or FEEDBACK_SERVER_TOKEN=SECRET in the environment instead of --token, to keep it out of ps)
+      (or FEEDBACK_SERVER_TOKEN=SECRET in the environment instead of --token, to keep it out of ps; with neither, the
+      server makes a token and keeps it in <data-dir>/token)
 
-The trainer creates a run, uploads batches of query pairs (clips + segment ids) and reads the
-answers back with a cursor; annotators open the page at ``/`` in a browser.  Everything lives in
-one SQLite database (WAL mode, synchronous=FULL, schema in ``schema.sql`` next to this file) under
-``--data-dir``; every write is committed before the reply is sent, so an acknowledged label survives a
-crash.  Uploads write their clips outside any transaction and commit their rows BATCH_ROWS at a time, so
-annotators' requests get the write lock in between; one that waits DB_TIMEOUT_SECONDS for it anyway gets
-503 with Retry-After, never a 500.  The app is served by waitress, a production WSGI server
-(``--threads`` worker threads); SIGTERM or Ctrl-C lets requests in progress finish (up to 5 s), then exits 0.
+The trainer creates a run, uploads batches of query pairs (clips + segment ids) and reads the answers back with a
+cursor; annotators open the page at ``/`` in a browser.  Everything lives in one SQLite database (WAL mode,
+synchronous=FULL, schema in ``schema.sql`` next to this file) under ``--data-dir``; every write is committed before the
+reply is sent, so an acknowledged label survives a crash.  Uploads write their clips outside any transaction and commit
+their rows BATCH_ROWS at a time, so annotators' requests get the write lock in between; one that waits
+DB_TIMEOUT_SECONDS for it anyway gets 503 with Retry-After, never a 500.  The app is served by waitress (serving.py:
+``--threads`` worker threads, bounded connections, every request judged by its headers before its body is read);
+SIGTERM or Ctrl-C lets requests in progress finish (up to 5 s), then exits 0.
 
-Requests: with a token, every request needs it (header, ?token=, or the HttpOnly cookie the page route
-sets from ?token=, after which the page drops it from its address).  Writes must be application/json
-(multipart/form-data for the uploads), and a browser's cross-origin write is refused (check_write_request):
-there is no CSRF token, Origin and Sec-Fetch-Site are the check.  Ids above 2^63-1 are a 400.
+Requests (access.py): every one must name a Host this server is reached by and carry the token (the X-Feedback-Token
+header) or a browser's session cookie, which the login route makes from a one-time login code or the token; writes
+must be application/json (multipart/form-data for the uploads, a form for the login), and a browser's cross-origin
+write is refused (check_write_request).  Ids above 2^63-1 are a 400.
 
-Routes, in three blueprints (errors are 4xx with ``{"error": "..."}`` and change nothing):
-  page   GET  /                                  the annotation page (``#rewards``: reward-model check view)
+Routes, in four blueprints (errors are 4xx with ``{"error": "..."}`` and change nothing):
+  login  GET  /login?code=                       a one-time login code -> the session cookie; without one, the login page
+         POST /login                             the login form (token=) -> the session cookie
+  page   GET  /                                  the annotation page (``#rewards``: reward-model check view); the login
+                                                 page (401) for a browser that is not logged in
   clips  GET  /clips/<run_id>/<name>.mp4         a stored clip (Range requests supported)
   api    GET  /api/config                        allowed choices, editing flag, playback speed, lease seconds
+         POST /api/login-codes                   {} -> 201 {url: "/login?code=...", expires_seconds}
          GET  /api/runs                          all runs, without their meta
          GET  /api/runs/<run_id>                 one run, with its meta
          POST /api/runs                          {name, env_id?, meta? (<= 64 KiB)} -> 201 {run_id} (200 if the name exists)
@@ -29,15 +34,20 @@ Routes, in three blueprints (errors are 4xx with ``{"error": "..."}`` and change
          GET  /api/runs/<run_id>/status          {queries, labelled, pending, choices}
          POST /api/runs/<run_id>/progress        the trainer's news {step, phase, total_steps?, sessions_done?, sessions_total?,
                                                  next_session_step?, seconds_to_next_session?, steps_per_second?,
-                                                 session?, session_size?}; session_size declares the session's pairs
-         GET  /api/runs/<run_id>/progress        the latest report, with age_seconds and stale (older than 120 s)
+                                                 session?, session_size?, agreement?}; session_size declares the session's
+                                                 pairs, agreement the reward model's with each annotator ({name: 0..1})
+         GET  /api/runs/<run_id>/progress        the latest report, with age_seconds and stale (older than 120 s), and the
+                                                 run's state: trainer_seen_seconds, pending, total_labelled, total_skipped
          POST /api/runs/<run_id>/evaluations     multipart: 'evaluations' JSON list + clip files -> 201
-         GET  /api/runs/<run_id>/evaluations     evaluation clips sorted by predicted_return, highest first
+         GET  /api/runs/<run_id>/evaluations     evaluation clips sorted by predicted_return, highest first (?latest=1:
+                                                 only the newest)
          GET  /api/next?annotator=&run_id=&exclude=   lease the oldest free query (with its run's instructions and
-                                                 its session's progress), or {waiting: true, training?: [reports]}
+                                                 its session's progress), or {waiting: true, training?: [reports]};
+                                                 429 when the annotator holds MAX_LEASES_PER_ANNOTATOR pairs already
          POST /api/queries/<query_id>/label      {choice, annotator} -> 201 new / 200 same or edited / 409 (labelled or
                                                  leased by someone else)
-         POST /api/queries/<query_id>/undo       {annotator} -> the query is pending again (403 with --no-editing)
+         POST /api/queries/<query_id>/undo       {annotator} -> the query is pending again, with the undone choice (403
+                                                 with --no-editing)
 
 Cursor semantics of ``GET /api/runs/<run_id>/answers?after=<seq>``: every label write (create,
 edit, undo) takes the next value of one global, strictly increasing sequence number ``seq``.
@@ -53,12 +63,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
-import hmac
 import json
 import math
 import os
 import re
 import signal
+import socket
 import sqlite3
 import sys
 import tempfile
@@ -69,7 +79,6 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from flask import Blueprint, Flask, Response, current_app, g, jsonify, request, send_from_directory
-from waitress import create_server
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
 from cleanrlhf_utils import protocol
@@ -81,19 +90,24 @@ from cleanrlhf_utils.protocol import (
     MAX_META_BYTES,
     MAX_TEXT,
     PHASES,
-    TOKEN_COOKIE,
     TOKEN_ENV,
     TOKEN_HEADER,
 )
+from humanFeedback import access, serving
+from humanFeedback.access import MAX_JSON_BYTES, UPLOAD_ENDPOINTS, Access
 
-DEFAULT_MAX_UPLOAD_BYTES = 50 * 1024 * 1024
+# The largest upload a trainer makes is one evaluation episode's clip: 2.3 MB for 1000 steps of dm_control's walker at
+# 576x432 (a pair of 50-step clips: at most 0.27 MB); 16 MiB leaves room for 640x480 and busier scenes.
+DEFAULT_MAX_UPLOAD_BYTES = 16 * 1024 * 1024
 CLIP_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,195}\.mp4$")
 CLIP_NAME_RULE = "a plain file name of letters, digits, '_', '-', '.' ending in .mp4 (no '/', '\\', '..' or leading dot)"
-MAX_JSON_BYTES = MAX_META_BYTES + 16 * 1024  # a JSON request body
 STALE_SECONDS = 120  # a progress report older than this is shown as the last news, not as what happens now
+# Pairs one annotator may hold (leased, not answered) at once: the one on screen, the next one loading behind it and one
+# whose answer is on its way. One person cannot take a session's pairs away from the others.
+MAX_LEASES_PER_ANNOTATOR = 3
 BATCH_ROWS = 256  # rows of an upload committed per write transaction, so no upload holds the write lock for long
 DB_TIMEOUT_SECONDS = 10  # how long a request waits for the write lock before it is answered 503 with Retry-After
-UPLOAD_ENDPOINTS = ("api.upload_queries", "api.upload_evaluations")
+UPLOAD_TMP_PREFIX, UPLOAD_TMP_SUFFIX = ".upload-", ".tmp"  # a clip being written; removed on failure and at start
 STATIC_DIR = Path(__file__).resolve().parent / "static"
 SCHEMA_PATH = Path(__file__).resolve().parent / "schema.sql"
 
@@ -128,8 +142,14 @@ class Store:
             if mode.lower() != "wal":
                 raise RuntimeError(f"SQLite refused WAL mode for {self.db_path} (got {mode!r})")
             con.executescript(SCHEMA_PATH.read_text())
+            if "kind" not in [row[1] for row in con.execute("PRAGMA table_info(evaluations)")]:  # a database of an older schema
+                con.execute("ALTER TABLE evaluations ADD COLUMN kind TEXT NOT NULL DEFAULT 'check' CHECK (kind IN ('check', 'agent'))")
         finally:
             con.close()
+        # the temporary files of uploads a killed server was writing: never linked to a clip name, never to be
+        for partial in self.clips_dir.glob(f"*/{UPLOAD_TMP_PREFIX}*{UPLOAD_TMP_SUFFIX}"):
+            with contextlib.suppress(OSError):
+                partial.unlink()
 
     def connect(self) -> sqlite3.Connection:
         con = sqlite3.connect(self.db_path, timeout=DB_TIMEOUT_SECONDS, isolation_level=None, check_same_thread=False)
@@ -174,6 +194,10 @@ def next_seq(con: sqlite3.Connection) -> int:
 
 def cfg(key: str):
     return current_app.extensions["feedback"][key]
+
+
+def cfg_of(app: Flask, key: str):
+    return app.extensions["feedback"][key]
 
 
 def now() -> float:
@@ -295,14 +319,15 @@ def parse_upload(field: str) -> tuple[list, dict[str, bytes]]:
     return items, files
 
 
-def check_item_keys(item, index: int, what: str, required: tuple[str, ...]) -> dict:
+def check_item_keys(item, index: int, what: str, required: tuple[str, ...], optional: tuple[str, ...] = ()) -> dict:
+    keys = ", ".join(required) + "".join(f" (and optionally {key})" for key in optional)
     if not isinstance(item, dict):
-        raise ApiError(400, f"{what}[{index}] is {type(item).__name__}; each entry must be an object with keys {', '.join(required)}.")
+        raise ApiError(400, f"{what}[{index}] is {type(item).__name__}; each entry must be an object with keys {keys}.")
     missing = [k for k in required if k not in item]
-    extra = sorted(set(item) - set(required))
+    extra = sorted(set(item) - set(required) - set(optional))
     if missing or extra:
         problem = f"lacks {', '.join(missing)}" if missing else f"has unknown keys {', '.join(extra)}"
-        raise ApiError(400, f"{what}[{index}] {problem}; each entry must have exactly the keys {', '.join(required)}.")
+        raise ApiError(400, f"{what}[{index}] {problem}; each entry must have exactly the keys {keys}.")
     return item
 
 
@@ -321,7 +346,7 @@ def write_new_file(path: Path, data: bytes) -> bool:
     The bytes go to a temporary file that is then hard-linked to ``path``, which fails if ``path``
     exists: two uploads racing for one name never overwrite each other.  The caller fsyncs the folder.
     """
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".upload-", suffix=".tmp")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=UPLOAD_TMP_PREFIX, suffix=UPLOAD_TMP_SUFFIX)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -478,10 +503,15 @@ def insert_query(con: sqlite3.Connection, run_id: int, row: tuple, stamp: str) -
     ).lastrowid
 
 
+EVALUATION_KINDS = ("check", "agent")
+
+
 def check_evaluation_entry(i: int, item, clips_named: set[str]) -> tuple:
-    check_item_keys(item, i, "evaluations", ("clip", "predicted_return", "step"))
+    check_item_keys(item, i, "evaluations", ("clip", "predicted_return", "step"), optional=("kind",))
     name = check_clip_name(item["clip"], f"evaluations[{i}].clip")
-    ret, step = item["predicted_return"], item["step"]
+    ret, step, kind = item["predicted_return"], item["step"], item.get("kind", "check")
+    if kind not in EVALUATION_KINDS:
+        raise ApiError(400, f"evaluations[{i}].kind is {kind!r}; it must be one of {', '.join(EVALUATION_KINDS)}.")
     if isinstance(ret, bool) or not isinstance(ret, (int, float)) or not math.isfinite(ret):
         raise ApiError(400, f"evaluations[{i}].predicted_return is {ret!r}; it must be a finite number.")
     if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_ID:
@@ -489,15 +519,15 @@ def check_evaluation_entry(i: int, item, clips_named: set[str]) -> tuple:
     if name in clips_named:
         raise ApiError(400, f"evaluations[{i}].clip {name!r} appears twice; each clip gets one evaluation.")
     clips_named.add(name)
-    return name, float(ret), step
+    return name, float(ret), step, kind
 
 
 def find_evaluation(con: sqlite3.Connection, run_id: int, i: int, row: tuple) -> int | None:
-    name, ret, step = row
+    name, ret, step, kind = row
     old = con.execute("SELECT * FROM evaluations WHERE run_id = ? AND clip = ?", (run_id, name)).fetchone()
     if old is None:
         return None
-    if (old["predicted_return"], old["step"]) != (ret, step):
+    if (old["predicted_return"], old["step"], old["kind"]) != (ret, step, kind):
         raise ApiError(
             409,
             f"evaluations[{i}].clip {name!r} already has predicted_return {old['predicted_return']!r} at step "
@@ -507,10 +537,10 @@ def find_evaluation(con: sqlite3.Connection, run_id: int, i: int, row: tuple) ->
 
 
 def insert_evaluation(con: sqlite3.Connection, run_id: int, row: tuple, stamp: str) -> int:
-    name, ret, step = row
+    name, ret, step, kind = row
     return con.execute(
-        "INSERT INTO evaluations (run_id, clip, predicted_return, step, created_at) VALUES (?, ?, ?, ?, ?)",
-        (run_id, name, ret, step, stamp),
+        "INSERT INTO evaluations (run_id, clip, predicted_return, step, created_at, kind) VALUES (?, ?, ?, ?, ?, ?)",
+        (run_id, name, ret, step, stamp, kind),
     ).lastrowid
 
 
@@ -519,19 +549,29 @@ def insert_evaluation(con: sqlite3.Connection, run_id: int, row: tuple, stamp: s
 # --------------------------------------------------------------------------------------------
 
 
+def run_counts(con: sqlite3.Connection, run_id: int) -> dict:
+    """The run's answers: labels (left, right, tie: what the reward model learns from) and skips, and ``seq``, the
+    label sequence when they were counted: of two counts, the one with the larger seq is the newer."""
+    labelled, skipped = con.execute(
+        "SELECT COALESCE(SUM(l.choice <> 'skip'), 0), COALESCE(SUM(l.choice = 'skip'), 0) "
+        "FROM labels l JOIN queries q ON q.id = l.query_id WHERE q.run_id = ?",
+        (run_id,),
+    ).fetchone()
+    seq = con.execute("SELECT value FROM sequence WHERE name = 'label'").fetchone()[0]
+    return {"total_labelled": labelled, "total_skipped": skipped, "seq": seq}
+
+
 def progress_for(con: sqlite3.Connection, run_id: int, session) -> dict:
-    """Labelled and total pairs of a session, and labels of the run.  session_total is the size the trainer
-    declared (POST .../progress with session_size) when it did, so it does not grow while pairs upload."""
-    uploaded, session_labelled = con.execute(
+    """Answered (labelled or skipped) and total pairs of a session, and the run's counts (run_counts).  session_total
+    is the size the trainer declared (POST .../progress with session_size) when it did, so it does not grow while
+    pairs upload."""
+    uploaded, session_answered = con.execute(
         "SELECT COUNT(*), COUNT(l.id) FROM queries q LEFT JOIN labels l ON l.query_id = q.id WHERE q.run_id = ? AND q.session IS ?",
         (run_id, session),
     ).fetchone()
     declared = con.execute("SELECT size FROM session_sizes WHERE run_id = ? AND session IS ?", (run_id, session)).fetchone()
     session_total = max(uploaded, declared[0] if declared else 0)
-    total_labelled = con.execute(
-        "SELECT COUNT(*) FROM labels l JOIN queries q ON q.id = l.query_id WHERE q.run_id = ?", (run_id,)
-    ).fetchone()[0]
-    return {"session_labelled": session_labelled, "session_total": session_total, "total_labelled": total_labelled}
+    return {"session_answered": session_answered, "session_total": session_total, **run_counts(con, run_id)}
 
 
 def run_instructions(con: sqlite3.Connection, run_id: int) -> dict:
@@ -586,10 +626,6 @@ clips = Blueprint("clips", __name__)
 def annotation_page():
     resp = send_from_directory(STATIC_DIR, "index.html", mimetype="text/html", max_age=0)
     resp.headers["Cache-Control"] = "no-store"
-    if cfg("token") is not None and request.args.get("token"):
-        # check_token has accepted it: from now on the browser sends it as a cookie, and the page drops
-        # ?token= from its address, so clip and API URLs (and the access log, history, Referer) never carry it
-        resp.set_cookie(TOKEN_COOKIE, request.args["token"], httponly=True, samesite="Strict", path="/")
     return resp
 
 
@@ -626,6 +662,14 @@ def show_config():
         playback_speed=cfg("playback_speed"),
         lease_seconds=cfg("lease_seconds"),
     )
+
+
+@api.post(protocol.LOGIN_CODES)
+def make_login_code():
+    """A one-time login link for a browser (the trainer prints one; the page's "Invite someone" shows one)."""
+    json_body(())
+    code = access.new_login_code(db(), now())
+    return jsonify(url=access.login_url("", code), expires_seconds=access.LOGIN_CODE_SECONDS), 201
 
 
 @api.get(protocol.RUNS)
@@ -704,7 +748,22 @@ def seconds_field(body: dict, key: str) -> float | None:
 
 
 PROGRESS_COUNTS = ("step", "total_steps", "sessions_done", "sessions_total", "next_session_step", "session_size")
-PROGRESS_FIELDS = (*PROGRESS_COUNTS, "phase", "session", "seconds_to_next_session", "steps_per_second")
+PROGRESS_FIELDS = (*PROGRESS_COUNTS, "phase", "session", "seconds_to_next_session", "steps_per_second", "agreement")
+MAX_AGREEMENTS = 100  # annotators in one report's agreement
+
+
+def agreement_field(body: dict) -> dict | None:
+    """How often the reward model agrees with each annotator's answers: {annotator: share from 0 to 1}."""
+    value = body.get("agreement")
+    if value is None:
+        return None
+    if not isinstance(value, dict) or len(value) > MAX_AGREEMENTS:
+        raise ApiError(400, f"Field 'agreement' must be an object of at most {MAX_AGREEMENTS} annotators, each with a share from 0 to 1.")
+    for name, share in value.items():
+        annotator_arg(name)
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1:
+            raise ApiError(400, f"Field 'agreement' gives {name!r} the share {share!r}; it must be a number from 0 to 1.")
+    return {name.strip(): float(share) for name, share in value.items()}
 
 
 @api.post(protocol.RUN_PROGRESS)
@@ -721,6 +780,7 @@ def report_progress(run_id: int):
     report["session"] = None if body.get("session") is None else id_value(body["session"], "Field 'session'")
     for key in ("seconds_to_next_session", "steps_per_second"):
         report[key] = seconds_field(body, key)
+    report["agreement"] = agreement_field(body)
     if report["session_size"] is not None and report["session"] is None:
         raise ApiError(400, "Field 'session_size' needs field 'session' (the session it counts the pairs of).")
     report = {key: value for key, value in report.items() if value is not None}
@@ -731,6 +791,7 @@ def report_progress(run_id: int):
             "ON CONFLICT (run_id) DO UPDATE SET report = excluded.report, reported_at = excluded.reported_at",
             (run_id, json.dumps(report), now()),
         )
+        trainer_seen(run_id)
         if "session_size" in report:
             con.execute(
                 "INSERT INTO session_sizes (run_id, session, size) VALUES (?, ?, ?) "
@@ -738,6 +799,15 @@ def report_progress(run_id: int):
                 (run_id, report["session"], report["session_size"]),
             )
     return jsonify(run_id=run_id, progress=report), 200
+
+
+def learning(con: sqlite3.Connection, run_id: int) -> str:
+    """Whether an answer given to the run now is learned from, by the run's last report: `yes` while it trains (a
+    trainer reads every answer, edit and undo until its end), `on resume` when it stopped before its end (the resumed
+    run reads them), `no` once it finished."""
+    row = con.execute("SELECT report FROM run_progress WHERE run_id = ?", (run_id,)).fetchone()
+    phase = json.loads(row["report"]).get("phase") if row else None
+    return {"finished": "no", "stopped": "on resume"}.get(phase, "yes")
 
 
 def progress_reports(con: sqlite3.Connection, run_id: int | None) -> list[dict]:
@@ -754,12 +824,29 @@ def progress_reports(con: sqlite3.Connection, run_id: int | None) -> list[dict]:
     return reports
 
 
+def trainer_seen(run_id: int) -> None:
+    """The run's trainer asked for answers or reported: it is alive (kept in memory, for the page's run state)."""
+    cfg("trainer_seen")[run_id] = now()
+
+
 @api.get(protocol.RUN_PROGRESS)
 def show_progress(run_id: int):
+    """The run's state for the page: the trainer's last report, how long ago the trainer last read answers or reported
+    (None: not since this server started), and the run's counts of labels, skips and pairs waiting."""
     con = db()
     require_run(con, run_id)
     reports = progress_reports(con, run_id)
-    return jsonify(run_id=run_id, progress=reports[0] if reports else None)
+    seen = cfg("trainer_seen").get(run_id)
+    pending = con.execute(
+        "SELECT COUNT(*) FROM queries q WHERE q.run_id = ? AND NOT EXISTS (SELECT 1 FROM labels l WHERE l.query_id = q.id)", (run_id,)
+    ).fetchone()[0]
+    return jsonify(
+        run_id=run_id,
+        progress=reports[0] if reports else None,
+        trainer_seen_seconds=None if seen is None else round(max(0.0, now() - seen), 1),
+        pending=pending,
+        **run_counts(con, run_id),
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -785,18 +872,32 @@ def next_query():
     with write_transaction() as con:
         if run_id is not None:
             require_run(con, run_id)
+        unlabelled = "NOT EXISTS (SELECT 1 FROM labels l WHERE l.query_id = q.id)"
+        held = con.execute(
+            f"SELECT COUNT(*) FROM queries q WHERE q.lease_annotator = ? AND q.lease_expires > ? AND {unlabelled}", (annotator, now())
+        ).fetchone()[0]
         sql = (
-            "SELECT q.* FROM queries q WHERE NOT EXISTS (SELECT 1 FROM labels l WHERE l.query_id = q.id) "
-            "AND (q.lease_annotator IS NULL OR q.lease_expires <= ? OR q.lease_annotator = ?)"
+            f"SELECT q.* FROM queries q WHERE {unlabelled} AND (q.lease_annotator IS NULL OR q.lease_expires <= ? OR q.lease_annotator = ?)"
         )
         params: list = [now(), annotator]
+        if held >= MAX_LEASES_PER_ANNOTATOR:  # only a pair this annotator holds already
+            sql += " AND q.lease_annotator = ? AND q.lease_expires > ?"
+            params += [annotator, now()]
         if run_id is not None:
             sql += " AND q.run_id = ?"
             params.append(run_id)
         if exclude:
             sql += f" AND q.id NOT IN ({','.join('?' * len(exclude))})"
             params.extend(exclude)
-        q = con.execute(sql + " ORDER BY q.id LIMIT 1", params).fetchone()
+        # the newest session's pairs first: a person who comes back after a while finds what the trainer asks now (a
+        # trainer with --feedback-async moves on to newer pairs; answers to the older ones still count)
+        q = con.execute(sql + " ORDER BY q.session DESC, q.id LIMIT 1", params).fetchone()
+        if q is None and held >= MAX_LEASES_PER_ANNOTATOR:
+            raise ApiError(
+                429,
+                f"Annotator {annotator!r} holds {held} pairs already, the most one person may hold at once; answer one of them "
+                f"or let its lease end ({cfg('lease_seconds'):g} s), then ask again.",
+            )
         if q is None:  # with what the trainers last reported, so the page can say what happens meanwhile
             training = progress_reports(con, run_id)
             return jsonify(waiting=True, training=training) if training else jsonify(waiting=True)
@@ -848,8 +949,8 @@ def label_query(query_id: int):
                 (choice, utc_now(), next_seq(con), old["id"]),
             )
             label_id, status, updated = old["id"], 200, True
-        progress = progress_for(con, q["run_id"], q["session"])
-    return jsonify(label_id=label_id, query_id=query_id, choice=choice, updated=updated, progress=progress), status
+        progress, learned = progress_for(con, q["run_id"], q["session"]), learning(con, q["run_id"])
+    return jsonify(label_id=label_id, query_id=query_id, choice=choice, updated=updated, progress=progress, learned=learned), status
 
 
 @api.post(protocol.QUERY_UNDO)
@@ -872,8 +973,8 @@ def undo_label(query_id: int):
         con.execute("DELETE FROM labels WHERE id = ?", (old["id"],))
         lease(con, query_id, annotator)
         q = con.execute("SELECT * FROM queries WHERE id = ?", (query_id,)).fetchone()
-        payload = query_payload(con, q)
-    return jsonify(undone_label_id=old["id"], query=payload)
+        payload, learned = query_payload(con, q), learning(con, q["run_id"])
+    return jsonify(undone_label_id=old["id"], undone_choice=old["choice"], query=payload, learned=learned)
 
 
 @api.get(protocol.RUN_ANSWERS)
@@ -882,6 +983,7 @@ def answers(run_id: int):
     limit = int_arg("limit", default=MAX_ANSWERS_LIMIT, minimum=1, maximum=MAX_ANSWERS_LIMIT)
     con = db()
     require_run(con, run_id)
+    trainer_seen(run_id)
     rows = con.execute(
         """
         SELECT * FROM (
@@ -915,9 +1017,16 @@ def upload_evaluations(run_id: int):
 
 @api.get(protocol.RUN_EVALUATIONS)
 def list_evaluations(run_id: int):
+    """The reward model's check clips, highest predicted return first; with ?latest=1 only the newest clip of the agent
+    (highest step, then last uploaded; a check clip where the run uploads none of the agent): what it does now."""
+    latest = int_arg("latest", default=0, minimum=0, maximum=1)
     con = db()
     require_run(con, run_id)
-    rows = con.execute("SELECT * FROM evaluations WHERE run_id = ? ORDER BY predicted_return DESC, id", (run_id,)).fetchall()
+    if latest:
+        sql = "SELECT * FROM evaluations WHERE run_id = ? ORDER BY kind = 'agent' DESC, step DESC, id DESC LIMIT 1"
+    else:
+        sql = "SELECT * FROM evaluations WHERE run_id = ? AND kind = 'check' ORDER BY predicted_return DESC, id"
+    rows = con.execute(sql, (run_id,)).fetchall()
     return jsonify(
         run_id=run_id,
         evaluations=[
@@ -927,6 +1036,7 @@ def list_evaluations(run_id: int):
                 "url": clip_url(run_id, r["clip"]),
                 "predicted_return": r["predicted_return"],
                 "step": r["step"],
+                "kind": r["kind"],
                 "created_at": r["created_at"],
             }
             for r in rows
@@ -970,16 +1080,17 @@ def on_http_error(e: HTTPException):
     return jsonify(error=message), e.code
 
 
-def check_token():
-    expected = cfg("token")
-    if expected is None:
+def check_access():
+    """access.Access's verdict on the request (serving.py may have reached it before the body, and dropped the body):
+    a browser that is not logged in gets the login page for the labelling page, everything else a JSON error."""
+    refusal = request.environ.get(access.REFUSAL_KEY) or cfg("access").refusal(
+        request.method, request.path, request.headers.get, request.environ.get("SERVER_PORT"), request.content_length
+    )
+    if refusal is None:
         return None
-    given = request.headers.get(TOKEN_HEADER) or request.args.get("token") or request.cookies.get(TOKEN_COOKIE)
-    if not given:
-        return jsonify(error=f"This server needs a token; send it in the {TOKEN_HEADER} header or as ?token= in the URL."), 401
-    if not hmac.compare_digest(given.encode(), expected.encode()):
-        return jsonify(error=f"The token given in the {TOKEN_HEADER} header or ?token= is wrong; use the server's --token value."), 403
-    return None
+    if refusal.status == 401 and request.endpoint == "page.annotation_page":
+        return access.login_page_response("", 401)
+    return jsonify(error=refusal.message), refusal.status
 
 
 def check_ids():
@@ -1011,13 +1122,15 @@ def check_write_request():
             403, f"Cross-origin write refused (Origin {origin!r} is not {request.host!r}); label from the page this server serves."
         )
     expected = "multipart/form-data" if request.endpoint in UPLOAD_ENDPOINTS else "application/json"
+    if request.endpoint in access.OPEN_ENDPOINTS:
+        expected = "application/x-www-form-urlencoded"  # the login page's form
     if writes and request.mimetype != expected:
         raise ApiError(415, f"Content type {request.content_type!r} is not allowed here; send {expected}.")
 
 
 def security_headers(resp: Response) -> Response:
     resp.headers["X-Content-Type-Options"] = "nosniff"
-    resp.headers["Referrer-Policy"] = "no-referrer"
+    resp.headers.setdefault("Referrer-Policy", "no-referrer")
     return resp
 
 
@@ -1036,9 +1149,12 @@ def create_app(
     playback_speed: float = 1.0,
     lease_seconds: float = 60,
     max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES,
+    host_names: tuple[str, ...] = (),
     clock=time.time,
 ) -> Flask:
-    """Builds the Flask app.  ``clock`` (seconds, like ``time.time``) exists so tests can expire leases."""
+    """Builds the Flask app.  ``token`` None asks no credentials (the command line always has a token); ``host_names``:
+    the names it is reached by besides loopback names and IP addresses (access.allowed_host_names); ``clock`` (seconds,
+    like ``time.time``) exists so tests can expire leases."""
     if not (isinstance(playback_speed, (int, float)) and math.isfinite(playback_speed) and playback_speed > 0):
         raise ValueError(f"playback_speed must be a finite number > 0, got {playback_speed!r}")
     if not (isinstance(lease_seconds, (int, float)) and math.isfinite(lease_seconds) and lease_seconds > 0):
@@ -1054,13 +1170,16 @@ def create_app(
     app.extensions["feedback"] = {
         "store": Store(Path(data_dir).resolve()),
         "token": token,
+        "access": Access(app, token, host_names, max_upload_bytes, clock),
         "choices": [c for c in CHOICES if (c != "tie" or allow_ties) and (c != "skip" or allow_skip)],
         "allow_editing": allow_editing,
         "playback_speed": float(playback_speed),
         "lease_seconds": float(lease_seconds),
         "max_upload_bytes": max_upload_bytes,
         "clock": clock,
+        "trainer_seen": {},  # run id -> when its trainer last read answers or reported (show_progress)
     }
+    app.register_blueprint(access.login)
     app.register_blueprint(page)
     app.register_blueprint(clips)
     app.register_blueprint(api)
@@ -1068,7 +1187,7 @@ def create_app(
     app.register_error_handler(RequestEntityTooLarge, on_too_large)
     app.register_error_handler(HTTPException, on_http_error)
     app.register_error_handler(sqlite3.OperationalError, on_database_error)
-    app.before_request(check_token)
+    app.before_request(check_access)
     app.before_request(check_ids)
     app.before_request(check_write_request)
     app.after_request(security_headers)
@@ -1112,8 +1231,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--token",
         default=None,
-        help=f"shared secret; when set, the page and every API call need it (header {TOKEN_HEADER} or ?token=); "
-        f"default: the {TOKEN_ENV} environment variable, which keeps it out of the process list",
+        help=f"shared secret: API calls send it in the {TOKEN_HEADER} header, browsers log in with it or with a login link; "
+        f"default: the {TOKEN_ENV} environment variable (which keeps it out of the process list), else the one kept in "
+        f"<data-dir>/{access.TOKEN_FILE}, else a new one kept there",
+    )
+    p.add_argument(
+        "--allowed-hosts",
+        default=[],
+        nargs="+",
+        metavar="NAME",
+        help="more names this server is reached by (a reverse proxy's public name); loopback names, IP addresses and "
+        "--host are always allowed, other Host headers are refused",
+    )
+    p.add_argument(
+        "--exit-with-parent", action="store_true", help="stop when the process that started this one ends (the trainer's autostart)"
     )
     p.add_argument("--no-ties", action="store_true", help="do not offer 'tie'")
     p.add_argument("--no-skip", action="store_true", help="do not offer 'skip'")
@@ -1132,9 +1263,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument(
         "--max-upload-mb",
-        default=50.0,
+        default=DEFAULT_MAX_UPLOAD_BYTES / 2**20,
         type=_number(float, "max upload MB", lambda v: 0 < v <= 4096, "a number > 0 and <= 4096"),
-        help="largest upload request in MiB (default 50)",
+        help=f"largest upload request in MiB (default {DEFAULT_MAX_UPLOAD_BYTES / 2**20:g})",
     )
     p.add_argument(
         "--threads",
@@ -1149,6 +1280,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("token '' is not allowed; use a non-empty secret or leave --token out")
     if not args.host.strip():
         p.error("host '' is not allowed; use an interface address such as 127.0.0.1 or 0.0.0.0")
+    for name in args.allowed_hosts:
+        if access.host_name(name) != name.strip().lower().rstrip(".") or "/" in name:
+            p.error(f"allowed host {name!r} is not allowed; use a host name such as feedback.example.org, without scheme or port")
     data_dir = Path(args.data_dir) if args.data_dir else Path.cwd() / "feedback_data"
     data_dir = data_dir.expanduser().resolve()
     if data_dir.exists() and not data_dir.is_dir():
@@ -1167,9 +1301,11 @@ def access_log(app):
         def logging_start_response(status, headers, exc_info=None):
             stamp = time.strftime("%d/%b/%Y %H:%M:%S")
             request_line = f"{environ.get('REQUEST_METHOD')} {environ.get('PATH_INFO')} {environ.get('SERVER_PROTOCOL')}"
-            # one write per line, so that lines from concurrent worker threads never interleave
-            sys.stderr.write(f'{environ.get("REMOTE_ADDR", "-")} - - [{stamp}] "{request_line}" {status.split(" ", 1)[0]} -\n')
-            sys.stderr.flush()
+            # one write per line, so that lines from concurrent worker threads never interleave; a log that cannot be
+            # written (a closed terminal) costs its lines, never the request
+            with contextlib.suppress(OSError):
+                sys.stderr.write(f'{environ.get("REMOTE_ADDR", "-")} - - [{stamp}] "{request_line}" {status.split(" ", 1)[0]} -\n')
+                sys.stderr.flush()
             return start_response(status, headers, exc_info)
 
         return app(environ, logging_start_response)
@@ -1183,30 +1319,47 @@ def stop_serving(_signum, _frame):
     raise SystemExit(0)
 
 
+def base_url(host: str, port: int) -> str:
+    """How a browser on this machine reaches a server listening on host:port."""
+    if host in access.WILDCARD_ADDRESSES:
+        host = socket.gethostname()
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     max_upload_bytes = int(args.max_upload_mb * 1024 * 1024)
+    token, token_file = access.server_token(args.data_dir, args.token)
     app = create_app(
         args.data_dir,
-        token=args.token,
+        token=token,
         allow_ties=not args.no_ties,
         allow_skip=not args.no_skip,
         allow_editing=not args.no_editing,
         playback_speed=args.playback_speed,
         lease_seconds=args.lease_seconds,
         max_upload_bytes=max_upload_bytes,
+        host_names=tuple(access.allowed_host_names(args.host, args.allowed_hosts)),
     )
     try:
-        # waitress reads a whole body before the app sees it; its own limit sits 1 GiB above ours so
-        # that an upload over --max-upload-mb still gets the app's JSON error naming the flag.
-        server = create_server(
-            access_log(app), host=args.host, port=args.port, threads=args.threads, max_request_body_size=max_upload_bytes + 2**30
-        )
+        server = serving.make_server(access_log(app), cfg_of(app, "access"), args.host, args.port, args.threads, max_upload_bytes)
     except (OSError, ValueError) as e:
         print(f"feedback_server.py: error: cannot listen on {args.host}:{args.port} ({e}); use another --host or --port", file=sys.stderr)
         return 1
-    hint = " (append ?token=<your token>)" if args.token else ""
-    print(f"Feedback server on http://{args.host}:{args.port}/{hint}; data in {args.data_dir}", file=sys.stderr, flush=True)
+    base = base_url(args.host, args.port)
+    print(f"Feedback server on {base}/; data in {args.data_dir}", file=sys.stderr, flush=True)
+    if token_file is not None:
+        print(f"Its token is in {token_file} (readable by you only): give it to a trainer as {TOKEN_ENV}", file=sys.stderr, flush=True)
+    if sys.stderr.isatty():  # a terminal, not a log file: the one-time login link is for the person who started it
+        con = cfg_of(app, "store").connect()
+        try:
+            code = access.new_login_code(con, time.time())
+        finally:
+            con.close()
+        hours = access.LOGIN_CODE_SECONDS // 3600
+        print(f"Log in: {access.login_url(base, code)} (works once, within {hours} h)", file=sys.stderr, flush=True)
+    if args.exit_with_parent:
+        serving.exit_with_parent()
     signal.signal(signal.SIGTERM, stop_serving)
     try:
         server.run()

@@ -67,6 +67,9 @@ CREATE TABLE IF NOT EXISTS evaluations (
     predicted_return REAL NOT NULL CHECK (typeof(predicted_return) = 'real'),
     step INTEGER NOT NULL CHECK (typeof(step) = 'integer' AND step >= 0),
     created_at TEXT NOT NULL,
+    -- 'check': a segment with the reward model's predicted return (the reward view ranks them); 'agent': the start of
+    -- an evaluation episode with its mean return (what the agent does now, shown beside the pairs)
+    kind TEXT NOT NULL DEFAULT 'check' CHECK (kind IN ('check', 'agent')),
     UNIQUE (run_id, clip)
 );
 
@@ -96,4 +99,11 @@ CREATE TABLE IF NOT EXISTS session_sizes (
     session NOT NULL CHECK (typeof(session) IN ('integer', 'text')),
     size INTEGER NOT NULL CHECK (typeof(size) = 'integer' AND size >= 0),
     PRIMARY KEY (run_id, session)
+);
+
+-- One-time login codes (humanFeedback/access.py): the hash of each unused code and when it stops working. Using a code
+-- deletes its row, so a code works once, also across restarts of the server.
+CREATE TABLE IF NOT EXISTS login_codes (
+    code_hash TEXT PRIMARY KEY,
+    expires_at REAL NOT NULL
 );

@@ -1,6 +1,6 @@
 // The server's JSON API as the page calls it: one function per route, errors as ApiError with the HTTP status
-// (undefined when the server did not answer at all).
-import { TOKEN } from "./state.js";
+// (undefined when the server did not answer at all). The browser's session cookie goes with every call; a 401 means
+// it is gone (expired, or the server has another token now): the page makes way for the login page.
 
 export class ApiError extends Error {
   constructor(status, message) { super(message); this.status = status; }
@@ -8,7 +8,6 @@ export class ApiError extends Error {
 
 async function call(path, options = {}) {
   const headers = Object.assign({}, options.headers || {});
-  if (TOKEN) headers["X-Feedback-Token"] = TOKEN;
   let body = options.body;
   if (body !== undefined && typeof body !== "string") {
     body = JSON.stringify(body);
@@ -17,6 +16,7 @@ async function call(path, options = {}) {
   const resp = await fetch(path, { method: options.method || "GET", headers, body, cache: "no-store" });
   let data = null;
   try { data = await resp.json(); } catch (e) { data = null; }
+  if (resp.status === 401) location.assign("/");   // answers kept in this browser are sent after the login
   if (!resp.ok) throw new ApiError(resp.status, (data && data.error) || `HTTP ${resp.status}`);
   return data;
 }
@@ -24,6 +24,9 @@ async function call(path, options = {}) {
 export const getConfig = () => call("/api/config");
 export const getRuns = () => call("/api/runs");
 export const getEvaluations = (runId) => call(`/api/runs/${encodeURIComponent(runId)}/evaluations`);
+export const getLatestEvaluation = (runId) => call(`/api/runs/${encodeURIComponent(runId)}/evaluations?latest=1`);
+export const getRunState = (runId) => call(`/api/runs/${encodeURIComponent(runId)}/progress`);
+export const postLoginCode = () => call("/api/login-codes", { method: "POST", body: {} });
 
 export function getNext({ annotator, runId, exclude }) {
   let url = "/api/next?annotator=" + encodeURIComponent(annotator);

@@ -1,14 +1,21 @@
 // The labelling loop: lease a pair, show it, keep the answer in this browser, send it until the server has it,
-// prefetch the next pair meanwhile; undo; the two views and the name form. Loaded by index.html as an ES module.
-import { getConfig, getNext, getRuns, postLabel, postUndo } from "./api.js";
-import { activePair, applySpeed, forgetPairs, hiddenPair, loadPair, pauseAll, showPair, startTogether } from "./player.js";
-import { $, KEYS, NAME_KEY, RUN_KEY, SPEED_KEY, noteProgress, outbox, saveOutbox, state, unsentIds } from "./state.js";
+// prefetch the next pair meanwhile; undo; the run panel, kept current; the two views, the name form, the other-tab
+// warning and invitations. Loaded by index.html as an ES module.
 import {
-  loadRewards, notice, renderEvaluations, renderInstructions, renderOutbox, renderProgress, runLabel, setChoicesEnabled,
-  showWaiting,
+  getConfig, getLatestEvaluation, getNext, getRunState, getRuns, postLabel, postLoginCode, postUndo,
+} from "./api.js";
+import { activePair, applySpeed, forgetPairs, hiddenPair, loadPair, pauseAll, showPair, startTogether } from "./player.js";
+import {
+  $, CHOICE_NAMES, KEYS, NAME_KEY, RUN_KEY, SPEED_KEY, UNDO_KEY, noteProgress, noteRunCounts, outbox, saveOutbox, state,
+  unsentIds,
+} from "./state.js";
+import {
+  loadRewards, notice, renderEvaluations, renderInstructions, renderLatestEvaluation, renderOtherTabs, renderOutbox,
+  renderProgress, renderRunState, runLabel, setChoicesEnabled, showWaiting,
 } from "./views.js";
 
 function show(q) {
+  for (const b of document.querySelectorAll("button.choice.earlier")) b.classList.remove("earlier");
   state.current = q;
   showPair(q);
   $("#waiting").classList.add("hidden");
@@ -17,6 +24,36 @@ function show(q) {
   noteProgress(q.run_id, q.session, q.progress);
   renderInstructions(q);
   renderProgress();
+  refreshRunPanel();
+}
+
+// ------------------------------------------------------------------ the run panel: refreshed every 3 s
+
+const RUN_PANEL_SECONDS = 3;
+
+function panelRun() {   // the run of the pair on screen, else the one picked, else the one last answered
+  if (state.current) return String(state.current.run_id);
+  if (state.run) return state.run;
+  if (state.lastSession) return String(state.lastSession.run);
+  const news = state.training || [];
+  return news.length ? String(news[0].run_id) : null;
+}
+
+let panelTimer = null;
+async function refreshRunPanel() {
+  clearTimeout(panelTimer);
+  panelTimer = setTimeout(refreshRunPanel, RUN_PANEL_SECONDS * 1000);
+  const runId = panelRun();
+  if (!runId || !state.annotator || location.hash === "#rewards") return;
+  try {
+    const [info, latest] = await Promise.all([getRunState(runId), getLatestEvaluation(runId)]);
+    if (panelRun() !== runId) return;   // another run is on screen meanwhile
+    state.runState = info;
+    noteRunCounts(Number(runId), info);
+    renderRunState(info);
+    renderLatestEvaluation(latest.evaluations[0] || null);
+    renderProgress();
+  } catch (e) { /* the pairs' own requests say when the server is away */ }
 }
 
 // ------------------------------------------------------------------ runs
@@ -84,6 +121,10 @@ async function loadNext() {
       state.pollTimer = setTimeout(loadNext, 2000);
     }
   } catch (e) {
+    if (e.status === 429) {   // this person holds the most pairs one may (other tabs): ask again when one is answered
+      state.pollTimer = setTimeout(loadNext, 2000);
+      return;
+    }
     if (e.status === 404 && state.run) {   // the run remembered in this browser is not on this server: show all runs
       notice(`Run ${state.run} is not on this server; showing all runs.`);
       setTimeout(() => pickRun(""), 0);   // after this call's finally
@@ -202,7 +243,14 @@ async function undoLast() {
     }
     clearTimeout(state.pollTimer);
     show(q);
-    notice(`Undone: pair #${q.query_id} is back, choose again.`);
+    const earlier = document.querySelector(`button.choice[data-choice="${res.undone_choice}"]`);
+    if (earlier) earlier.classList.add("earlier");
+    const counts = {
+      yes: "choose again: the agent learns from your new answer",
+      "on resume": "choose again: the run has stopped, and learns from your new answer when it is resumed",
+      no: "the run has finished: a new answer is kept here, but this run will not learn from it",
+    }[res.learned];
+    notice(`Undone: pair #${q.query_id} is back. Your earlier answer was “${CHOICE_NAMES[res.undone_choice]}”; ${counts}.`);
   } catch (e) {
     notice(e.message, true);
   }
@@ -220,6 +268,7 @@ function route() {
   $("#compare-view").classList.toggle("hidden", rewards || needName);
   $("#who").classList.toggle("hidden", !state.annotator);
   $("#who-name").textContent = state.annotator;
+  renderOtherTabs();
   if (rewards) {
     clearTimeout(state.pollTimer);
     pauseAll();
@@ -233,6 +282,7 @@ function route() {
     sendKept();
     loadNext();
   }
+  if (!rewards && !needName) refreshRunPanel();
 }
 
 function applyConfig(cfg) {
@@ -259,6 +309,11 @@ document.addEventListener("keydown", (ev) => {
   const tag = (ev.target && ev.target.tagName) || "";
   if (["INPUT", "SELECT", "TEXTAREA"].includes(tag)) return;
   if (location.hash === "#rewards" || $("#compare-view").classList.contains("hidden")) return;
+  if (ev.key === UNDO_KEY) {
+    ev.preventDefault();
+    if (!$("#undo").disabled && !$("#undo").classList.contains("hidden")) undoLast();
+    return;
+  }
   const choice = KEYS[ev.key];
   if (!choice) return;
   ev.preventDefault();
@@ -296,6 +351,36 @@ $("#change-name").addEventListener("click", () => {
   route();
 });
 window.addEventListener("hashchange", route);
+$("#invite").addEventListener("click", async () => {
+  try {
+    const { url, expires_seconds: seconds } = await postLoginCode();
+    $("#invite-link").value = location.origin + url;
+    $("#invite-hours").textContent = String(seconds / 3600);
+    $("#invite-box").classList.remove("hidden");
+    $("#invite-link").select();
+  } catch (e) { notice(e.message, true); }
+});
+
+// Other tabs of this page in this browser: they label under the same name, as one person. Each tab says it is here
+// every 2 s; one silent for 5 s is gone.
+const TAB_ID = Math.random().toString(36).slice(2);
+const tabs = "BroadcastChannel" in window ? new BroadcastChannel("cleanrlhf-feedback") : null;
+if (tabs) {
+  tabs.onmessage = (ev) => {
+    const { id, here } = ev.data || {};
+    if (!id || id === TAB_ID) return;
+    if (here) state.otherTabs.set(id, Date.now()); else state.otherTabs.delete(id);
+    renderOtherTabs();
+  };
+  const sayHere = () => {
+    tabs.postMessage({ id: TAB_ID, here: true });
+    for (const [id, seen] of state.otherTabs) if (Date.now() - seen > 5000) state.otherTabs.delete(id);
+    renderOtherTabs();
+  };
+  sayHere();
+  setInterval(sayHere, 2000);
+  window.addEventListener("pagehide", () => tabs.postMessage({ id: TAB_ID, here: false }));
+}
 
 getConfig().then((cfg) => { applyConfig(cfg); route(); })
   .catch((e) => { document.querySelector("main").textContent = e.message; });

@@ -1,16 +1,8 @@
-// What the page knows: the token taken from its address, the answers kept in this browser, and the state of the
-// labelling view. Every other module reads and writes this one object; nothing here touches the DOM but `$`.
+// What the page knows: the answers kept in this browser and the state of the labelling view. Every other module
+// reads and writes this one object; nothing here touches the DOM but `$`. The page holds no secret: the browser sends
+// the session cookie the login route set (HttpOnly: no script here can read it).
 
 const params = new URLSearchParams(location.search);
-export const TOKEN = params.get("token");
-if (TOKEN) {
-  // The server answered this page with the token as a cookie, which the browser now sends with every
-  // request (clips and these modules included): drop ?token= from the address so it is not re-sent, logged or
-  // bookmarked.
-  params.delete("token");
-  const rest = params.toString();
-  history.replaceState(history.state, "", location.pathname + (rest ? "?" + rest : "") + location.hash);
-}
 
 export const NAME_KEY = "cleanrlhf.feedback.annotator";
 export const SPEED_KEY = "cleanrlhf.feedback.speed";
@@ -22,6 +14,8 @@ const OUTBOX_KEY = "cleanrlhf.feedback.outbox";
 if (params.get("run_id")) localStorage.setItem(RUN_KEY, params.get("run_id"));
 
 export const KEYS = { ArrowLeft: "left", ArrowRight: "right", ArrowUp: "tie", ArrowDown: "skip" };
+export const UNDO_KEY = "Backspace";
+export const CHOICE_NAMES = { left: "Left is better", right: "Right is better", tie: "Tie", skip: "Skip" };
 export const $ = (sel) => document.querySelector(sel);
 
 export const state = {
@@ -34,11 +28,14 @@ export const state = {
   pollTimer: null,
   loading: false,
   run: localStorage.getItem(RUN_KEY) || "",   // the run picked ("" = all runs)
-  sessions: {},       // "run:session" -> {labelled, total, shown}: only ever grows, so the progress line never goes back
-  runTotals: {},      // run id -> labels of the run, as the server last said
+  sessions: {},       // "run:session" -> {answered, total, seq}: the server's newest count (largest seq) of the session
+  runTotals: {},      // run id -> {labelled, skipped, seq}: the server's newest count of the run's labels and skips
   lastSession: null,  // the session of the latest answer, for the line shown when no pair is waiting
   offlineSince: null,
   training: null,     // the trainers' news from the last "waiting" answer
+  runState: null,     // GET /api/runs/<id>/progress of the run shown in the run panel
+  latestEvaluation: null,   // id of the evaluation clip in the run panel
+  otherTabs: new Map(),     // id of another tab of this page in this browser -> when it last said so
 };
 
 export function outbox() {
@@ -47,15 +44,27 @@ export function outbox() {
 export function saveOutbox(box) { localStorage.setItem(OUTBOX_KEY, JSON.stringify(box)); }
 export function unsentIds() { return Object.keys(outbox()).map(Number); }
 
+// Counts from the server: each carries seq, the label sequence when it was counted, so an answer that arrives late
+// (a prefetch leased before the last label) never overwrites a newer count, and an undo counts down.
 export function noteProgress(runId, session, p) {
   if (!p) return;
   const key = `${runId}:${session}`;
-  const rec = state.sessions[key] || (state.sessions[key] = { labelled: 0, total: 0, shown: 0 });
-  rec.labelled = Math.max(rec.labelled, p.session_labelled);
-  rec.total = Math.max(rec.total, p.session_total);   // the size the trainer declared: fixed while pairs upload
-  state.runTotals[runId] = Math.max(state.runTotals[runId] || 0, p.total_labelled);
+  const rec = state.sessions[key];
+  if (!rec || p.seq >= rec.seq) {
+    state.sessions[key] = { answered: p.session_answered, total: Math.max(rec ? rec.total : 0, p.session_total), seq: p.seq };
+  }
+  noteRunCounts(runId, p);
 }
 
+export function noteRunCounts(runId, p) {
+  const run = state.runTotals[runId];
+  if (!run || p.seq >= run.seq) state.runTotals[runId] = { labelled: p.total_labelled, skipped: p.total_skipped, seq: p.seq };
+}
+
+// Answers kept in this browser, not yet counted by the server: of a run (and session), and of them the skips.
 export function unsentIn(runId, session) {
   return Object.values(outbox()).filter((a) => a.run_id === runId && (session === undefined || a.session === session)).length;
+}
+export function unsentSkipsIn(runId) {
+  return Object.values(outbox()).filter((a) => a.run_id === runId && a.choice === "skip").length;
 }

@@ -1,8 +1,9 @@
-// What the person reads: the notice line, the progress line, the instructions, the trainers' news while no pair
-// waits, the outbox warning, and the reward-model check view. Rendering only: no requests but the check view's.
+// What the person reads: the notice line, the progress line, the instructions, the run panel (what the trainer does
+// now and what the agent does), the trainers' news while no pair waits, the outbox warning, the other-tab warning,
+// and the reward-model check view. Rendering only: no requests but the check view's.
 import { getEvaluations, getRuns } from "./api.js";
 import { pauseAll, speed } from "./player.js";
-import { $, outbox, state, unsentIn } from "./state.js";
+import { $, outbox, state, unsentIn, unsentSkipsIn } from "./state.js";
 
 export function notice(text, isError = false) {
   const el = $("#notice");
@@ -14,22 +15,82 @@ export function setChoicesEnabled(on) {
   for (const b of document.querySelectorAll("button.choice")) b.disabled = !on;
 }
 
+// "Pair k of N in session s · L labelled in total, S skipped": k counts the session's answered pairs (skips too) and
+// the one on screen; L counts labels, what the reward model learns from (a skip is none). Answers kept in this
+// browser and not yet confirmed count as given.
 export function renderProgress() {
   const q = state.current;
   const at = q ? { run: q.run_id, session: q.session } : state.lastSession;
   if (!at) { $("#progress").textContent = ""; return; }
   const rec = state.sessions[`${at.run}:${at.session}`];
   if (!rec) return;
-  const labelled = Math.min(rec.total, rec.labelled + unsentIn(at.run, at.session));
-  const total = (state.runTotals[at.run] || 0) + unsentIn(at.run);
-  let text;
-  if (q) {
-    rec.shown = Math.max(rec.shown, Math.min(rec.total, labelled + 1));
-    text = `Pair ${rec.shown} of ${rec.total} in session ${at.session}`;
+  const answered = Math.min(rec.total, rec.answered + unsentIn(at.run, at.session));
+  const run = state.runTotals[at.run] || { labelled: 0, skipped: 0 };
+  const skipped = run.skipped + unsentSkipsIn(at.run);
+  const labelled = run.labelled + unsentIn(at.run) - unsentSkipsIn(at.run);
+  const text = q ? `Pair ${Math.min(rec.total, answered + 1)} of ${rec.total} in session ${at.session}`
+    : `Session ${at.session}: ${answered} of ${rec.total} pairs answered`;
+  $("#progress").textContent = `${text} · ${labelled} labelled in total` + (skipped ? `, ${skipped} skipped` : "");
+}
+
+// The run panel: whether the trainer trains or waits for answers, its step, the run's labels so far, how often the
+// reward model agrees with this person (when the trainer reports it), and the agent's latest evaluation clip.
+export function renderRunState(info) {
+  const el = $("#run-state");
+  if (!info) { el.textContent = ""; el.dataset.phase = ""; return; }
+  const p = info.progress;
+  const steps = (r) => r.total_steps ? `step ${r.step.toLocaleString("en")} of ${r.total_steps.toLocaleString("en")}` : `step ${r.step}`;
+  const heard = [p && p.age_seconds, info.trainer_seen_seconds].filter((x) => x !== null && x !== undefined);
+  const silent = heard.length ? Math.min(...heard) : null;
+  let phase, line;
+  if (!p) {
+    phase = "unknown";
+    line = "The trainer has not reported yet.";
+  } else if (p.phase === "finished" || p.phase === "stopped") {
+    phase = p.phase;
+    line = p.phase === "finished" ? `Training finished at ${steps(p)}.` : `Training stopped at ${steps(p)}; no pairs come until it is resumed.`;
+  } else if (silent === null || silent > 120) {
+    phase = "silent";
+    line = `No news from the trainer for ${fmtSeconds(silent === null ? p.age_seconds : silent)} (last: ${steps(p)}); it may have stopped.`;
+  } else if (p.phase === "labelling") {
+    phase = "waiting";
+    line = `Waiting for you: training is paused at ${steps(p)} until the pairs of session ${p.session} are answered.`;
+  } else if (p.phase === "updating") {
+    phase = "updating";
+    line = `Learning from the answers to session ${p.session} (${steps(p)}); training goes on next.`;
   } else {
-    text = `Session ${at.session}: ${labelled} of ${rec.total} pairs labelled`;
+    phase = "training";
+    line = `Training: ${steps(p)}` + (info.pending ? "; your answers are read as you give them." : ".");
   }
-  $("#progress").textContent = `${text} · ${total} labelled in total`;
+  const facts = [`${info.total_labelled} label${info.total_labelled === 1 ? "" : "s"} so far`];
+  const agreement = p && p.agreement ? p.agreement[state.annotator] : undefined;
+  if (agreement !== undefined) facts.push(`the reward model agrees with your answers on ${Math.round(agreement * 100)} % of pairs`);
+  el.dataset.phase = phase;
+  el.textContent = `${line} ${facts.join(" · ")}.`;
+}
+
+export function renderLatestEvaluation(evaluation) {
+  const box = $("#latest-eval");
+  box.classList.toggle("hidden", !evaluation);
+  if (!evaluation || state.latestEvaluation === evaluation.evaluation_id) return;
+  state.latestEvaluation = evaluation.evaluation_id;
+  const v = box.querySelector("video");
+  v.src = evaluation.url;
+  v.dataset.evaluationId = String(evaluation.evaluation_id);
+  const p = v.play();
+  if (p && p.catch) p.catch(() => {});
+  const step = evaluation.step.toLocaleString("en");
+  box.querySelector("figcaption").textContent = evaluation.kind === "agent"
+    ? `What the agent does now: its evaluation at step ${step} (mean return ${evaluation.predicted_return.toFixed(1)})`
+    : `What the agent does now: its latest clip, step ${step}`;
+}
+
+export function renderOtherTabs() {
+  const others = state.otherTabs.size;
+  $("#other-tab").classList.toggle("hidden", others === 0);
+  $("#other-tab").textContent = others === 0 ? "" : `This page is open in ${others === 1 ? "another tab" : `${others} other tabs`} `
+    + `of this browser too: every tab labels as ${state.annotator || "the same name"}, one person, and may show the same pair. `
+    + "To label as someone else, use another browser or a private window.";
 }
 
 export function renderInstructions(q) {
