@@ -1,36 +1,46 @@
-# Evaluate a trained policy (sac_rlhf.py, sac.py, pref_ppo.py or ppo.py): N episodes with deterministic actions on distinct seeds, mean ± std of
-# the environment's true return, the success rate where the env reports success (Meta-World), and optionally an mp4 per episode.
+# Evaluate a trained policy (sac_rlhf.py, sac.py, pref_ppo.py or ppo.py), or a shipped one (policies/): N episodes with deterministic actions on
+# distinct seeds, mean ± std of the environment's true return, the success rate where the env reports success (Meta-World), the objective's
+# measures where there is one, and optionally an mp4 per episode.
 #   python framework/evaluation.py --path-to-model models/<run>/latest --env-id Hopper-v5
+#   python framework/evaluation.py --policy policies/hopper-landed-backflip-sac.pt --episodes 10 --video
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated
 
 import numpy as np
 import torch
+import tyro
 
 import ppo
 from cleanrlhf_utils.checkpoints import checkpoint_file, load_checkpoint
 from cleanrlhf_utils.cli import cli
-from cleanrlhf_utils.envs import check_env_id
-from cleanrlhf_utils.errors import ConfigError
+from cleanrlhf_utils.envs import CAMERAS, check_env_id
+from cleanrlhf_utils.errors import ConfigError, need
 from cleanrlhf_utils.evaluate import evaluate_episodes, success_rate
-from cleanrlhf_utils.objectives import load_objective
+from cleanrlhf_utils.objectives import load_objective, mean_measures
 from cleanrlhf_utils.training import set_torch_threads
 from sac import Actor, make_env
 
 
 @dataclass
 class Args:
-    path_to_model: str
+    path_to_model: str | None = None
     """checkpoint.pt of a run, or the folder holding it (models/<run>/latest)"""
+    policy: str | None = None
+    """instead of --path-to-model: a shipped policy's .pt (policies/<name>.pt), run on the env, objective and
+    settings its entry in the manifest.json beside it records"""
     env_id: str | None = None
     """environment to evaluate on (default: the one the model was trained on)"""
     episodes: int = 10
     """number of evaluation episodes"""
     seed: int = 0
     """episode i is reset with seed + i"""
-    capture_video: bool = False
-    """write one mp4 per episode"""
+    capture_video: Annotated[bool, tyro.conf.arg(aliases=("--video",))] = False
+    """write one mp4 per episode (--video for short)"""
+    camera: str | None = None
+    """the videos' view: env (the env's own) or side (fixed beside the start, the floor in view); default: a shipped
+    policy's manifest entry's, else env"""
     video_dir: str = "videos/evaluation"
     """where the videos go"""
     video_width: int = 320
@@ -75,12 +85,54 @@ def load_actor(path: str | Path, env_id: str | None = None) -> tuple[torch.nn.Mo
     return actor, env_id
 
 
+MANIFEST = "manifest.json"
+"""the file beside shipped policies that describes each (policies/manifest.json): file name -> entry"""
+
+
+def manifest_entry(path: str | Path) -> dict:
+    """A shipped policy's entry in the manifest.json beside its file (ConfigError in one line where there is none)."""
+    path = Path(path)
+    need(path.is_file(), f"--policy {path}: no such file (shipped policies are policies/*.pt)")
+    manifest = path.parent / MANIFEST
+    need(manifest.is_file(), f"--policy {path}: no {MANIFEST} beside it to say what it is")
+    entry = json.loads(manifest.read_text()).get(path.name)
+    need(entry is not None, f"--policy {path}: {manifest} has no entry {path.name}")
+    return entry
+
+
+def load_shipped_policy(path: str | Path) -> tuple[torch.nn.Module, dict]:
+    """A shipped policy's actor, rebuilt from its manifest entry (env, hidden sizes) and loaded with the weights in the
+    file (a SAC actor's state_dict), and the entry."""
+    entry = manifest_entry(path)
+    check_env_id(entry["env_id"])
+    env = make_env(entry["env_id"], 0)()
+    space, obs_dim = env.action_space, int(np.prod(env.observation_space.shape))
+    env.close()
+    actor = Actor(obs_dim, space.low, space.high, entry["actor_hidden_dim"], entry["actor_hidden_layers"])
+    actor.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+    return actor, entry
+
+
 def main(args: Args) -> dict:
     if args.episodes < 1:
         raise ConfigError(f"--episodes must be >= 1, got {args.episodes}")
+    need(
+        (args.path_to_model is None) != (args.policy is None),
+        "give --path-to-model (a run's checkpoint) or --policy (a shipped policy), one of them",
+    )
     set_torch_threads(args.torch_threads)
-    actor, env_id = load_actor(args.path_to_model, args.env_id)
-    trained_with = load_checkpoint(checkpoint_file(args.path_to_model))["args"]
+    if args.policy is not None:
+        actor, trained_with = load_shipped_policy(args.policy)
+        trained_with = trained_with | {"teacher_objective": trained_with["objective"]}
+        env_id = args.env_id or trained_with["env_id"]
+    else:
+        actor, env_id = load_actor(args.path_to_model, args.env_id)
+        trained_with = load_checkpoint(checkpoint_file(args.path_to_model))["args"]
+        trained_with = trained_with | {
+            "teacher_objective": trained_with.get("teacher_objective") or trained_with.get("reward_objective", "")
+        }
+    camera = args.camera or trained_with.get("camera", "env")
+    need(camera in CAMERAS, f"--camera {camera} is not one of: {', '.join(CAMERAS)}")
     terminate_when_unhealthy = args.terminate_when_unhealthy
     if terminate_when_unhealthy is None:
         terminate_when_unhealthy = trained_with.get("terminate_when_unhealthy", True) or env_id != trained_with["env_id"]
@@ -107,6 +159,7 @@ def main(args: Args) -> dict:
             objective=objective,
             objective_measures=measures,
             terminate_when_tilted=terminate_when_tilted,
+            camera=camera,
         )
         returns, successes = returns + episode_returns, successes + episode_successes
     result = {
@@ -119,16 +172,23 @@ def main(args: Args) -> dict:
     rate = success_rate(successes)
     if rate is not None:  # envs that report success (Meta-World): the metric their papers give
         result |= {"success_rate": rate, "successes": successes}
-    if objective is not None:  # what --teacher-objective measured, per episode
-        result |= {"objective": objective.name, "objective_returns": [ret for ret, _ in measures]}
+    if objective is not None:  # what the objective measured, per episode and on average
+        result |= {"objective": objective.name, "objective_returns": [episode.objective_return for episode in measures]}
         result["objective_return"] = float(np.mean(result["objective_returns"]))
         if objective.success is not None:
-            result["objective_success"] = float(np.mean([success for _, success in measures]))
+            result["objective_successes"] = [episode.success for episode in measures]
+            result["objective_success"] = float(np.mean(result["objective_successes"]))
+        if objective.measures:
+            result["objective_measures"] = mean_measures(measures)
+            result["objective_measures_per_episode"] = {
+                name: [episode.measures[name] for episode in measures] for name in objective.measures
+            }
     success = "" if rate is None else f", success rate {rate:.2f}"
     if objective is not None:
         success += f", {objective.name} return {result['objective_return']:.2f}" + (
             f" (success {result['objective_success']:.2f})" if "objective_success" in result else ""
         )
+        success += "".join(f", {name} {value:.2f}" for name, value in result.get("objective_measures", {}).items())
     print(f"{env_id}: {result['mean_return']:.1f} ± {result['std_return']:.1f} over {args.episodes} episodes{success}")
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(result, indent=2))
