@@ -6,18 +6,99 @@ import importlib.util
 import json
 import os
 import platform
+import re
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 FRAMEWORK = REPO / "framework"
+BENCH = REPO / "bench"
+RESULTS = REPO / "bench" / "results"
+MANIFEST = RESULTS / "manifest.yaml"
+
+
+def results_path(benchmark: str, question: str, name: str) -> Path:
+    """Where a result lives: bench/results/<benchmark>/<question>/<name>.json, <benchmark> the script that wrote it and
+    <question> what it was run to answer (a page of the docs, bench/results/manifest.yaml says which). Each benchmark's
+    default --output follows it; a result the docs show is listed in the manifest under `<question>/<name>`."""
+    return RESULTS / benchmark / question / f"{name}.json"
+
+
+def task_name(env_id: str) -> str:
+    """An env id as a results name says it: `Hopper-v5` -> `hopper`, `dm_control/walker-walk-v0` -> `walker-walk`."""
+    name = env_id.rsplit("/", 1)[-1].rsplit(":", 1)[-1]
+    return re.sub(r"-v\d+$", "", name).lower()
+
+
+@dataclass(frozen=True)
+class Result:
+    """One entry of bench/results/manifest.yaml: a results file and where the docs show it."""
+
+    name: str
+    """`<question>/<result>`: what the pages' table markers name and the generated pages' anchors follow"""
+    file: str
+    """the file, relative to bench/results: `<benchmark>/<question>/<result>.json`"""
+    task: str
+    setting: str
+    feeds: tuple[str, ...]
+    """`suite` (the results table of README.md and docs/benchmarks/index.md) and the pages whose table markers name it"""
+
+    @property
+    def benchmark(self) -> str:
+        return self.file.split("/")[0]
+
+    @property
+    def question(self) -> str:
+        return self.file.split("/")[1]
+
+
+class Manifest(NamedTuple):
+    """bench/results/manifest.yaml, read."""
+
+    questions: dict[str, str]
+    """question -> the page that answers it"""
+    results: dict[str, Result]
+    """short name -> its entry, in the file's order"""
+    tables: dict[str, dict]
+    """name -> a summary table (`columns`, and `rows` of `groups` and `cells`), as written"""
+
+
+def read_manifest(manifest: Path = MANIFEST) -> Manifest:
+    """bench/results/manifest.yaml, refusing an entry whose file does not follow the layout of `results_path` or its
+    name, and a summary table whose rows do not fit its columns or pool a result it does not list."""
+    import yaml
+
+    data = yaml.safe_load(manifest.read_text())
+    questions, results = dict(data["questions"]), {}
+    for name, entry in data["results"].items():
+        result = Result(name, entry["file"], str(entry["task"]), str(entry["setting"]), tuple(entry.get("feeds", ())))
+        benchmark, question, stem = (result.file.removesuffix(".json").split("/") + ["", ""])[:3]
+        if result.file != f"{benchmark}/{question}/{stem}.json" or name != f"{question}/{stem}":
+            raise ValueError(f"{manifest}: {name}: its file must be <benchmark>/{name}.json, not {result.file}")
+        if question not in questions:
+            raise ValueError(f"{manifest}: {name}: question {question!r} is not among its questions")
+        results[name] = result
+    tables = dict(data.get("tables") or {})
+    for table, spec in tables.items():
+        for row in spec["rows"]:
+            if not all(isinstance(cell, str | int | float) for cell in row["cells"]):
+                raise ValueError(f"{manifest}: table {table}: a cell that is not text (quote a cell holding `: `)")
+            if len(row["cells"]) != len(spec["columns"]):
+                raise ValueError(f"{manifest}: table {table}: a row of {len(row['cells'])} cells under {len(spec['columns'])} columns")
+            for group in row.get("groups", {}).values():
+                for name in group if isinstance(group, list) else group["results"]:
+                    if name not in results:
+                        raise ValueError(f"{manifest}: table {table}: it pools {name}, which is not among its results")
+    return Manifest(questions, results, tables)
 
 
 def free_port() -> int:
@@ -146,33 +227,40 @@ def read_summary(workdir: Path, run_name: str) -> dict:
 
 @functools.cache
 def script_module(script: str):
-    """framework/<script> as a module, imported as `import sac` would if framework/ were on the path (the baselines
-    are scripts, not installed modules): the presets and human-mode defaults it reads look it up by that name."""
-    name = Path(script).stem
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, FRAMEWORK / script)
-        sys.modules[name] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules[name])
-    return sys.modules[name]
+    """framework/<script> as a module: every script installs as one (`import sac`)."""
+    return importlib.import_module(Path(script).stem)
 
 
 # Settings that do not change what a run computes: a run started under another name or with a progress bar is the same run.
 NOT_THE_RUN = ("run_name", "progress_bar", "checkpoint_frequency", "resume")  # settings that leave a run's numbers as they are
 
-# Settings that act only with one --robust-labels: with another a run computed nothing with them, so they do not tell two
-# runs apart (and a default that changed since, as --rime-warm-start-steps's did, leaves a finished run reusable).
-ACTS_ONLY_WITH_ROBUST_LABELS = {"rime_": "rime", "robust_label_epsilon": "smooth"}
+# The label-noise defences a preference run can have, and the script each runs: a defence is a variant file beside PEBBLE.
+DEFENCE_SCRIPTS = {"none": "sac_rlhf.py", "rime": "sac_rlhf_rime.py", "smooth": "sac_rlhf_mistake_aware.py"}
+
+# Settings that belong to one defence: with another a run computed nothing with them, so they do not tell two runs apart
+# (and a default that changed since, as --rime-warm-start-steps's did, leaves a finished run reusable).
+ACTS_ONLY_WITH_ROBUST_LABELS = {"rime_": "rime", "robust_label_epsilon": "smooth", "label_mistake_rate": "smooth"}
+
+
+def defence_of(settings: dict) -> str:
+    """The defence a run had, from its recorded settings: its variant file's own settings (sac_rlhf_rime.py records
+    RIME's, sac_rlhf_mistake_aware.py label_mistake_rate), or `robust_labels` where a result names it."""
+    if "robust_labels" in settings:
+        return settings["robust_labels"] or "none"
+    if "label_mistake_rate" in settings:
+        return "smooth"
+    return "rime" if settings.get("exp_name", "").endswith("rime") or "rime_alpha" in settings else "none"
 
 
 def acts_only_with(key: str) -> str | None:
-    """The --robust-labels that setting `key` acts with alone (ACTS_ONLY_WITH_ROBUST_LABELS); None: it acts with any."""
+    """The defence that setting `key` acts with alone (ACTS_ONLY_WITH_ROBUST_LABELS); None: it acts with any."""
     return next((defence for prefix, defence in ACTS_ONLY_WITH_ROBUST_LABELS.items() if key.startswith(prefix)), None)
 
 
 def inert(key: str, settings: dict) -> bool:
     """Whether setting `key` computes nothing in a run with these `settings`."""
     defence = acts_only_with(key)
-    return defence is not None and settings.get("robust_labels") != defence
+    return defence is not None and defence_of(settings) != defence
 
 
 def run_settings(script: str, flags: list[str]) -> tuple[dict, set[str]]:
@@ -307,7 +395,7 @@ def defence_name(settings: dict, flip_default: float) -> str:
     (`rime (no warm start)`, `rime (warm start 1000 steps)`), so that a table reads the same whatever the scripts'
     default, and a flip threshold that is not the scripts' default (drop-only) is named beside it. A flip threshold
     recorded before the flag existed counts as the default; a warm start, as RIME's 1000 steps."""
-    defence = settings.get("robust_labels") or "none"
+    defence = defence_of(settings)
     if defence != "rime":
         return defence
     flip_tau = settings.get("rime_flip_tau", flip_default)

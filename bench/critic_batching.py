@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
-from common import REPO, machine_info, print_table, write_json
+from common import machine_info, print_table, results_path, write_json
 
 import sac_rlhf
 
@@ -24,7 +24,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--updates", type=int, default=200, help="updates timed per round")
-    parser.add_argument("--output", default=str(REPO / "bench" / "results" / "critic_batching.json"))
+    parser.add_argument("--output", default=str(results_path("critic_batching", "speed", "critic-batching")))
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)

@@ -5,15 +5,15 @@ With --algorithm ppo: PrefPPO (pref_ppo.py) vs PPO (ppo.py), same label budget a
     python bench/feedback_efficiency.py                      # Hopper-v5, 100k steps, 200 labels, seed 1
     python bench/feedback_efficiency.py --steps 20000 --seeds 1 2
     python bench/feedback_efficiency.py --env-id dm_control/walker-walk-v0 --labels 100 \\
-        --output bench/results/feedback_efficiency_walker_walk.json   # PEBBLE's DMC setting, 100 labels
+        --output bench/results/feedback_efficiency/walker-walk/defaults-seed1.json   # PEBBLE's DMC setting, 100 labels
     python bench/feedback_efficiency.py --env-id metaworld/door-open-v3 --steps 20000 --seeds 1 2   # and success rates
     python bench/feedback_efficiency.py --env-id dm_control/walker-walk-v0 --labels 100 --variant tuned --seeds 1 2 \\
-        --baseline-from bench/results/feedback_efficiency_walker_walk.json bench/results/feedback_efficiency_walker_walk_seed2.json
+        --baseline-from bench/results/feedback_efficiency/walker-walk/defaults-seed1.json bench/results/feedback_efficiency/walker-walk/defaults-seed2.json
         # --variant: pebble (the defaults), tuned (the README's recommendation), qpa (and qpa-no-hybrid, qpa-no-crops);
         # --baseline-from reuses SAC's runs
     python bench/feedback_efficiency.py --steps 50000 --seeds 1 2 3 --teacher-eps-mistake 0.2 --robust-labels rime \\
-        --baseline-from bench/results/feedback_efficiency_hopper_pebble_50k.json \\
-        --oracle-from bench/results/feedback_efficiency_hopper_pebble_50k.json
+        --baseline-from bench/results/feedback_efficiency/noisy-teachers/hopper-50k-oracle.json \\
+        --oracle-from bench/results/feedback_efficiency/noisy-teachers/hopper-50k-oracle.json
         # a noisy teacher (B-Pref's flags) and a defence; oracle_ratio: against the oracle teacher's runs of the same
         # setting at the same step (longer runs are read at this invocation's last evaluation)
     python bench/feedback_efficiency.py --algorithm ppo --env-id CartPole-v1 --steps 100000 --explore-steps 0 \\
@@ -29,7 +29,7 @@ finished with exactly the flags this invocation would start them with, or with t
 invocation's last evaluation, finished or not). --resume-unfinished continues runs of this invocation's flags that
 stopped before their end from their last checkpoint (every --checkpoint-frequency steps): a 100k-step walker-walk run
 takes about an hour here, and the seeds of a setting take longer than one sitting.
-Targets (issue 2): ratio >= 0.9, accuracy >= 0.9, correlation >= 0.8.
+Targets: ratio >= 0.9, accuracy >= 0.9, correlation >= 0.8.
 """
 
 import argparse
@@ -41,6 +41,7 @@ import time
 from pathlib import Path
 
 from common import (
+    DEFENCE_SCRIPTS,
     REPO,
     acts_only_with,
     add_resume_arguments,
@@ -50,10 +51,12 @@ from common import (
     machine_info,
     print_table,
     read_summary,
+    results_path,
     resumed_flags,
     run_pool,
     spread,
     start_script,
+    task_name,
     write_json,
 )
 
@@ -133,9 +136,21 @@ TEACHER_FLAGS = {
 }  # fmt: skip
 
 
+def default_output(args) -> Path:
+    """Where an invocation without --output writes (bench/common.py's layout): PrefPPO's under pref-ppo, a teacher that
+    makes mistakes under noisy-teachers (named by its labels and defence), any other under its task, by variant."""
+    task = task_name(args.env_id)
+    if args.algorithm == "ppo":
+        return results_path("feedback_efficiency", "pref-ppo", task)
+    if teacher_flags(args):
+        return results_path("feedback_efficiency", "noisy-teachers", f"{task}-{args.variant}-{args.labels}-{args.robust_labels}")
+    return results_path("feedback_efficiency", task, args.variant)
+
+
 def teacher_flags(args) -> list[str]:
-    """The flags of TEACHER_FLAGS whose value differs from the oracle's, for the preference run."""
-    changed = [(name, getattr(args, name, default)) for name, default in TEACHER_FLAGS.items()]
+    """The flags of TEACHER_FLAGS whose value differs from the oracle's, for the preference run (the defence itself is
+    the script it runs: DEFENCE_SCRIPTS)."""
+    changed = [(name, getattr(args, name, default)) for name, default in TEACHER_FLAGS.items() if name != "robust_labels"]
     return [token for name, value in changed if value != TEACHER_FLAGS[name] for token in (f"--{name.replace('_', '-')}", str(value))]
 
 
@@ -347,7 +362,12 @@ def main() -> None:
     parser.add_argument("--variant", choices=sorted(VARIANTS), default="pebble", help="flags the preference-based run adds (VARIANTS)")
     parser.add_argument("--teacher-eps-mistake", type=float, default=0.0, help="the synthetic teacher flips this share of labels")
     parser.add_argument("--teacher-beta", type=float, default=-1.0, help="beta-rational teacher (Bradley-Terry sampling); -1: oracle")
-    parser.add_argument("--robust-labels", choices=["none", "smooth", "rime"], default="none", help="the label-noise defence of the run")
+    parser.add_argument(
+        "--robust-labels",
+        choices=sorted(DEFENCE_SCRIPTS),
+        default="none",
+        help="the label-noise defence: the variant of PEBBLE the run uses",
+    )
     parser.add_argument(
         "--rime-flip-tau", type=float, default=TEACHER_FLAGS["rime_flip_tau"],
         help="rime: a label trains flipped when the model gives it a probability below this (1e-40: never; it is only dropped)",
@@ -376,16 +396,25 @@ def main() -> None:
         "--parallel", type=int, default=2, help="runs at once (one torch thread each; the next starts when any ends): the cores to use"
     )
     parser.add_argument("--workdir", type=Path, default=REPO / "bench" / "workdir")
-    parser.add_argument("--output", type=Path, default=None, help="default: bench/results/feedback_efficiency[_ppo].json")
+    parser.add_argument(
+        "--output",
+        type=Path,
+        default=None,
+        help="default: bench/results/feedback_efficiency/<task>/<variant>.json; a teacher that errs: noisy-teachers/"
+        "<task>-<variant>-<labels>-<defence>.json; PrefPPO: pref-ppo/<task>.json",
+    )
     args = parser.parse_args()
+    if args.algorithm == "ppo" and args.robust_labels != "none":
+        parser.error(f"--robust-labels {args.robust_labels}: the label-noise defences are variants of PEBBLE (--algorithm sac)")
     for name, default in TEACHER_FLAGS.items():  # a defence's own setting, given without it, would be passed on and never act
         if getattr(args, name) != default and inert(name, vars(args)):
             flag, needed = "--" + name.replace("_", "-"), acts_only_with(name)
             parser.error(f"{flag} {getattr(args, name)} only acts with --robust-labels {needed}, got {args.robust_labels}")
     if args.output is None:
-        suffix = "" if args.algorithm == "sac" else f"_{args.algorithm}"
-        args.output = REPO / "bench" / "results" / f"feedback_efficiency{suffix}.json"
+        args.output = default_output(args)
     rlhf_script, rlhf, base_script, base = ALGORITHMS[args.algorithm]
+    if args.algorithm == "sac":  # a label-noise defence is a variant of PEBBLE in a file of its own
+        rlhf_script = DEFENCE_SCRIPTS[args.robust_labels]
     extra = PPO_ENV_FLAGS.get(args.env_id, []) if args.algorithm == "ppo" else []
     rlhf_extra = PREFERENCE_ENV_FLAGS.get(args.env_id, []) if args.algorithm == "ppo" else []
 

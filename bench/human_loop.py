@@ -18,7 +18,7 @@ GET /api/next every 20 ms from t=0; once it gets a pair it downloads both clips 
   wait_s           time the labeller spent waiting for a pair after the first one
                    (0: rendering stayed ahead of the labeller, the second target)
 The renderer is made before t=0, as sac_rlhf.py makes it at the start of a human-feedback run, and
-without shadows or reflections unless --shadows (sac_rlhf.py's --clip-shadows default).
+without shadows or reflections unless --shadows (the trainer renders its clips without).
 
 Training part (--part training or all): two real sac_rlhf.py runs in human mode on Hopper-v5 (--train-steps
 steps, --train-sessions sessions of --train-pairs pairs, small networks), each with its own autostarted feedback
@@ -49,7 +49,7 @@ from pathlib import Path
 
 import gymnasium as gym
 import numpy as np
-from common import REPO, free_port, machine_info, print_table, write_json
+from common import REPO, free_port, machine_info, print_table, results_path, write_json
 
 import sac_rlhf
 from cleanrlhf_utils.envs import SegmentRenderer, get_physics_state, segment_frames, set_physics_state, write_mp4
@@ -373,8 +373,6 @@ def run_training(asynchronous: bool, args: argparse.Namespace, workdir: Path) ->
     flags += [
         "--segment-length",
         str(args.segment_length),
-        "--feedback-poll-seconds",
-        str(args.poll_seconds),
         "--feedback-check-clips",
         "0",
     ]
@@ -429,13 +427,13 @@ def main() -> None:
     parser.add_argument("--train-sessions", type=int, default=2, help="training part: feedback sessions of each run")
     parser.add_argument("--train-pairs", type=int, default=5, help="training part: pairs per session")
     parser.add_argument(
-        "--training-output", type=Path, default=REPO / "bench" / "results" / "human_loop_training.json", help="training part's results"
+        "--training-output", type=Path, default=results_path("human_loop", "human-loop", "training"), help="training part's results"
     )
     parser.add_argument("--env-ids", nargs="+", default=["Hopper-v5", "dm_control/walker-walk-v0"])
     parser.add_argument("--pairs", type=int, default=10)
     parser.add_argument("--segment-length", type=int, default=50)
     parser.add_argument("--answer-seconds", type=float, default=3.0, help="the labeller answers this long after a pair is available")
-    parser.add_argument("--shadows", action="store_true", help="render shadows and reflections (sac_rlhf.py --clip-shadows)")
+    parser.add_argument("--shadows", action="store_true", help="render shadows and reflections (the trainer's clips have none)")
     parser.add_argument("--width", type=int, default=320)
     parser.add_argument("--height", type=int, default=240)
     parser.add_argument("--fps", type=int, default=30, help="clip frame rate (sac_rlhf's --clip-fps default)")
@@ -443,7 +441,7 @@ def main() -> None:
     parser.add_argument("--replay-steps", type=int, default=2000, help="random-action transitions in the replay buffer")
     parser.add_argument("--baseline-clips", type=int, default=4)
     parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--output", type=Path, default=REPO / "bench" / "results" / "human_loop.json")
+    parser.add_argument("--output", type=Path, default=results_path("human_loop", "human-loop", "rendering"))
     args = parser.parse_args()
     if args.pairs < 1 or args.segment_length < 1 or args.replay_steps < args.segment_length:
         parser.error("--pairs and --segment-length must be >= 1 and --replay-steps >= --segment-length")

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from common import REPO, machine_info, print_table, write_json
+from common import REPO, machine_info, print_table, results_path, write_json
 
 import sac_rlhf
 from cleanrlhf_utils.buffers import ReplayBuffer
@@ -109,7 +109,7 @@ def main() -> None:
     parser.add_argument("--buffer-states", type=int, default=10_000)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=200, help="calls timed per round and implementation")
-    parser.add_argument("--output", type=Path, default=REPO / "bench" / "results" / "knn.json")
+    parser.add_argument("--output", type=Path, default=results_path("knn", "speed", "knn"))
     opts = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)

@@ -4,7 +4,7 @@ torch thread each.
 
     python bench/novel_behaviours.py                                   # windmill, both directions, seeds 1 2 3, 50 labels
     python bench/novel_behaviours.py --behaviour hopper-backflip --steps 300000 --labels 1000 --seeds 1 2 3 \\
-        --output bench/results/novel_behaviours_hopper_backflip.json
+        --output bench/results/novel_behaviours/backflip/50k.json
 
 Reports per run and as medians per objective: the final evaluation's objective return and objective success (windmill:
 the share of evaluation time turning the preferred way; Hopper: completed backflips per episode), the env's own return
@@ -12,7 +12,7 @@ the share of evaluation time turning the preferred way; Hopper: completed backfl
 evaluation seeds: on the windmill, full motor torque the preferred way at every step (what SAC on the objective as its
 reward converges to); on the other behaviours, SAC (sac.py --reward-objective) trained on the objective as its reward
 with the same seeds and steps, in the same pool of runs, and `return_ratio` is the preference run's objective return
-over that SAC's. Targets (issue 26): windmill, after <= 50 labels, >= 95 % of evaluation time turning the preferred way,
+over that SAC's. Targets: windmill, after <= 50 labels, >= 95 % of evaluation time turning the preferred way,
 both directions, 3 seeds; Hopper backflip, <= 1000 labels, median >= 1 completed backflip per episode and ratio >= 0.8.
 """
 
@@ -30,6 +30,7 @@ from common import (
     machine_info,
     print_table,
     read_summary,
+    results_path,
     resumed_flags,
     run_pool,
     start_script,
@@ -37,11 +38,14 @@ from common import (
 )
 from feedback_efficiency import eval_curve, last_evaluations_mean
 
+from cleanrlhf_utils.objectives import OBJECTIVES
+
 WINDMILL = "cleanrlhf_utils.example_envs.windmill:Windmill-v0"
 BEHAVIOURS = {
     "windmill": (WINDMILL, ["windmill-clockwise", "windmill-counterclockwise"]),
     "hopper-backflip": ("Hopper-v5", ["hopper-backflip"]),
     "hopper-backflip-upright": ("Hopper-v5", ["hopper-backflip-upright"]),
+    "hopper-landed-backflip": ("Hopper-v5", ["hopper-landed-backflip"]),
     "ant-raise-leg": ("Ant-v5", ["ant-raise-leg"]),
     "halfcheetah-backward": ("HalfCheetah-v5", ["halfcheetah-backward"]),
 }
@@ -53,7 +57,6 @@ def windmill_ceiling(objective_name: str, seed: int) -> dict:
     import torch
 
     from cleanrlhf_utils.evaluate import evaluate_episodes
-    from cleanrlhf_utils.objectives import OBJECTIVES
 
     direction = 1.0 if objective_name == "windmill-clockwise" else -1.0
 
@@ -72,8 +75,8 @@ def windmill_ceiling(objective_name: str, seed: int) -> dict:
         objective_measures=measures,
     )
     return {
-        "ceiling_objective_return": statistics.mean(ret for ret, _ in measures),
-        "ceiling_objective_success": statistics.mean(success for _, success in measures),
+        "ceiling_objective_return": statistics.mean(episode.objective_return for episode in measures),
+        "ceiling_objective_success": statistics.mean(episode.success for episode in measures),
     }
 
 
@@ -83,17 +86,21 @@ def relative(path: Path) -> Path:
     return path.relative_to(REPO) if path.is_relative_to(REPO) else path
 
 
-def last_evaluations(workdir: Path, run_name: str) -> dict:
-    """The objective's return and success over the run's evaluations, and their means over the last three: one
-    evaluation of 5 episodes of a backflipping Hopper swings by whole flips."""
+def last_evaluations(workdir: Path, run_name: str, measures: tuple[str, ...] = ()) -> dict:
+    """The objective's return, success and further `measures` over the run's evaluations, and their means over the
+    last three: one evaluation of 5 episodes of a backflipping Hopper swings by whole flips."""
     returns = eval_curve(workdir, run_name, "eval/objective_return")
     successes = eval_curve(workdir, run_name, "eval/objective_success")
-    return {
+    result = {
         "objective_curve": returns,
         "objective_success_curve": successes,
         "objective_return_last3": last_evaluations_mean(returns),
         "objective_success_last3": last_evaluations_mean(successes),
     }
+    for name in measures:  # e.g. a backflip objective's landed backflips beside its own count
+        curve = eval_curve(workdir, run_name, f"eval/objective_{name}")
+        result |= {f"objective_{name}_curve": curve, f"objective_{name}_last3": last_evaluations_mean(curve)}
+    return result
 
 
 def start_unless_finished(args, jobs: list, script: str, flags: list[str], run_name: str) -> Path:
@@ -150,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_resume_arguments(parser, checkpoint_frequency=10_000)  # a 300k-step backflip outlasts a sitting here
     parser.add_argument("--parallel", type=int, default=2)
     parser.add_argument("--workdir", type=Path, default=REPO / "bench" / "workdir" / "novel_behaviours")
-    parser.add_argument("--output", type=Path, default=REPO / "bench" / "results" / "novel_behaviours_windmill.json")
+    parser.add_argument("--output", type=Path, default=None, help="default: bench/results/novel_behaviours/objectives/<behaviour>.json")
     return parser
 
 
@@ -248,7 +255,9 @@ def main() -> None:
             "objective_return": summary.get("final_objective_return"), "objective_success": summary.get("final_objective_success"),
             "wall_seconds": round(summary["wall_seconds"], 1),
         }  # fmt: skip
-        row |= last_evaluations(preference_run.parent.parent, preference_run.name)
+        measures = tuple(OBJECTIVES[objective_name].measures)
+        row |= {f"objective_{name}": summary.get(f"final_objective_{name}") for name in measures}
+        row |= last_evaluations(preference_run.parent.parent, preference_run.name, measures)
         if args.behaviour == "windmill":
             ceiling = windmill_ceiling(objective_name, seed)
             row |= ceiling | {
@@ -268,7 +277,9 @@ def main() -> None:
                 "ceiling_objective_success": ceiling.get("final_objective_success"),
                 "ceiling_env_return": ceiling["final_eval_return"],
             }
-            row |= {f"ceiling_{key}": value for key, value in last_evaluations(ceiling_run.parent.parent, ceiling_run.name).items()}
+            row |= {f"ceiling_objective_{name}": ceiling.get(f"final_objective_{name}") for name in measures}
+            ceiling_curves = last_evaluations(ceiling_run.parent.parent, ceiling_run.name, measures)
+            row |= {f"ceiling_{key}": value for key, value in ceiling_curves.items()}
         row["return_ratio"] = row["objective_return"] / row["ceiling_objective_return"]
         if row["objective_return_last3"] is not None and row["ceiling_objective_return_last3"] is not None:
             row["return_ratio_last3"] = row["objective_return_last3"] / row["ceiling_objective_return_last3"]
@@ -287,7 +298,8 @@ def main() -> None:
     columns = ["objective", "seed", "labels", "env_return", "objective_return", "objective_success", "objective_success_last3"]
     columns += ["ceiling_objective_return", "ceiling_objective_success", "ceiling_objective_success_last3", "return_ratio"]
     print_table(rows, [*columns, "return_ratio_last3", "wall_seconds"])
-    output = args.output if args.output.is_absolute() else REPO / args.output
+    output = args.output or results_path("novel_behaviours", "objectives", args.behaviour)
+    output = output if output.is_absolute() else REPO / output
     command = "python bench/novel_behaviours.py " + " ".join(
         [f"--behaviour {args.behaviour}", "--seeds " + " ".join(map(str, args.seeds)), f"--steps {args.steps}", f"--labels {args.labels}"]
         + [f"--explore-steps {args.explore_steps}", f"--feedback-frequency {args.feedback_frequency}"]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from common import REPO, machine_info, print_table, write_json
+from common import machine_info, print_table, results_path, write_json
 
 import sac_rlhf
 from cleanrlhf_utils.buffers import ReplayBuffer
@@ -43,7 +43,7 @@ def main() -> None:
     parser.add_argument("--transitions", type=int, default=262_144)
     parser.add_argument("--chunks", type=int, nargs="+", default=[1024, 4096, 8192, 16384, 65536])
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--output", type=Path, default=REPO / "bench" / "results" / "relabel.json")
+    parser.add_argument("--output", type=Path, default=results_path("relabel", "speed", "relabel"))
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)

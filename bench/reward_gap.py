@@ -1,22 +1,17 @@
-"""Why a good ranking can train a weaker agent (issue 27, part 2): the gap between SAC on the true reward and the online
-preference loop, cut in two by SAC on the preference run's final reward model, frozen.
+"""Why a good ranking can train a weaker agent: the gap between SAC on the true reward and the online preference loop,
+cut in two by SAC on the preference run's final reward model, frozen.
 
     python bench/reward_gap.py        # cheetah-run (QPA, 100 labels) and Walker2d-v5 (tuned, 200 labels), 100k steps, seeds 1 2 3
-    python bench/reward_gap.py --tasks Walker2d-v5 --seeds 1 --kinds sac online frozen online_standardized
-        # and the loop with --reward-standardize; --kinds online_scaled alone: only the loop scaled, not centred
-    python bench/reward_gap.py --tasks Walker2d-v5 --baseline-from bench/results/feedback_efficiency_walker2d_tuned_seed1.json \\
-        bench/results/feedback_efficiency_walker2d_tuned_seed2.json bench/results/feedback_efficiency_walker2d_tuned_seed3.json
+    python bench/reward_gap.py --tasks Walker2d-v5 --baseline-from A.json B.json C.json
         # reuses SAC's true-reward runs of bench/feedback_efficiency.py (same env, steps and evaluations)
     python bench/reward_gap.py --combine seeds12.json seed3.json --output cheetah.json   # one table from several invocations
 
-Per task and seed, up to five runs, all but frozen side by side, one torch thread each:
+Per task and seed, three runs, all but frozen side by side, one torch thread each:
   sac       sac.py on the true reward;
   online    sac_rlhf.py, the online loop with the task's recommended settings (TASKS: bench/feedback_efficiency.py's
             --variant and label budget, 10 sessions every 0.9 x steps / 10 steps after 10k exploration steps);
-  frozen    sac_rlhf.py --reward-model-from the online run's final checkpoint: SAC with sac.py's settings on that reward
-            model, never updated, no exploration, no teacher (started when its online run ends);
-  online_standardized (only if --kinds names it)   the online loop with --reward-standardize;
-  online_scaled (only if --kinds names it)         the same, --no-reward-standardize-center: divided by the std only.
+  frozen    bench/frozen_reward.py: sac.py with its settings on the online run's final reward model, never updated, no
+            exploration, no teacher (started when its online run ends).
 sac -> frozen is the cost of the reward's shape; frozen -> online the cost of the online loop (when the labels come,
 the relabels, the critic reset, exploration). The frozen reward is the final one, which the online agent only met at
 its last session: frozen above online says the loop, not the reward, loses the return.
@@ -27,8 +22,8 @@ their summaries: the learned reward's per-step and per-segment correlation with 
 accuracy (for the frozen run: the final model measured on the frozen run's own buffer), the mean and std of the reward
 each agent trains on (the true reward for SAC), and the mean of SAC's last logged Q-values, policy entropy (-log pi)
 and temperature alpha. The JSON keeps every evaluation of every run.
-Target (issue 27): cheetah-run's recommended settings reach a median >= 0.8 x SAC over 3 seeds; the decomposition
-says which gap is the larger on each task.
+Target: cheetah-run's recommended settings reach a median >= 0.8 x SAC over 3 seeds; the decomposition says which gap
+is the larger on each task.
 """
 
 import argparse
@@ -39,21 +34,15 @@ import shlex
 import time
 from pathlib import Path
 
-from common import REPO, machine_info, print_table, read_summary, run_pool, spread, start_script, write_json
+from common import BENCH, REPO, machine_info, print_table, read_summary, results_path, run_pool, spread, start_script, write_json
 from feedback_efficiency import baseline_flags, earlier_baselines, eval_curve, last_evaluations_mean, pebble_flags
 
-# The README's recommended settings per task (bench/feedback_efficiency.py --variant and label budget), issue 27's figures.
+# The README's recommended settings per task (bench/feedback_efficiency.py --variant and label budget), those of its figures.
 TASKS = {
     "dm_control/cheetah-run-v0": {"variant": "qpa", "labels": 100},
     "Walker2d-v5": {"variant": "tuned", "labels": 200},
 }
-KINDS = ("sac", "frozen", "online", "online_standardized", "online_scaled")
-# the flags each kind of online loop adds to the task's recommended settings
-ONLINE_FLAGS = {
-    "online": [],
-    "online_standardized": ["--reward-standardize"],
-    "online_scaled": ["--reward-standardize", "--no-reward-standardize-center"],
-}
+KINDS = ("sac", "frozen", "online")
 # summary.json figures reported per run (those a run lacks, e.g. sac.py's reward-model metrics, are left empty)
 MEASURES = (
     "reward_correlation", "segment_correlation", "heldout_accuracy", "learned_reward_mean", "learned_reward_std",
@@ -78,9 +67,8 @@ def run_flags(settings, kind: str, seed: int, run_name: str, online_run: str, wo
         return "sac.py", [*baseline_flags(settings, seed, run_name), *extra]
     if kind == "frozen":  # sac.py's flags: the run differs from SAC in its reward only
         model = workdir / "models" / online_run / "latest"
-        return "sac_rlhf.py", [*baseline_flags(settings, seed, run_name), "--reward-model-from", str(model), *extra]
-    flags = [*pebble_flags(settings, seed, run_name), *ONLINE_FLAGS[kind], *extra, *shlex.split(settings.preference_flags)]
-    return "sac_rlhf.py", flags
+        return str(BENCH / "frozen_reward.py"), [*baseline_flags(settings, seed, run_name), "--reward-model-from", str(model), *extra]
+    return "sac_rlhf.py", [*pebble_flags(settings, seed, run_name), *extra, *shlex.split(settings.preference_flags)]
 
 
 def summary_row(workdir: Path, task: str, kind: str, seed: int, run_name: str) -> dict:
@@ -165,7 +153,7 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--parallel", type=int, default=2, help="runs at once (one torch thread each): the cores to use")
     parser.add_argument("--workdir", type=Path, default=REPO / "bench" / "workdir")
-    parser.add_argument("--output", type=Path, default=REPO / "bench" / "results" / "reward_gap.json")
+    parser.add_argument("--output", type=Path, default=results_path("reward_gap", "reward-gap", "decomposition"))
     parser.add_argument(
         "--combine", type=Path, nargs="+", default=None,
         help="results JSON of earlier invocations: run nothing, report their runs together as one table (written to --output)",

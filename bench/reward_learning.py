@@ -31,20 +31,20 @@ seeds.
     python bench/reward_learning.py run --envs Hopper-v5 dm_control/walker-walk-v0 --stage 10000 \\
         --budgets 50 100 200 --strategies uniform disagree --variants default epochs50 surf-off reinit --seeds 1 2 3
     python bench/reward_learning.py run --envs dm_control/walker-walk-v0 --stage 30000 --budgets 25 50 100 200 500 \\
-        --strategies uniform disagree entropy --variants default seg25 ens5 lr1e-3 --output bench/results/reward_learning_walker_30k.json
+        --strategies uniform disagree entropy --variants default seg25 ens5 lr1e-3 --output bench/results/reward_learning/reward-learning/walker-walk-30k.json
 
-Noisy teachers (issue 27): `--teachers` labels with B-Pref's noise, `oracle` (the default), `mistake<eps>`
+Noisy teachers: `--teachers` labels with B-Pref's noise, `oracle` (the default), `mistake<eps>`
 (--teacher-eps-mistake: a share eps of the labels flipped) or `beta<b>` (--teacher-beta: labels drawn from the
 Bradley-Terry probability with temperature b, so that close pairs are the ones labelled wrong); accuracy is always
-against the true reward. The variants `smooth`, `smooth0.3`, `rime` and `rime-nowarm` are the scripts'
---robust-labels options (rime's warm start fits the k-NN state entropy of the training buffer, which here comes from a
+against the true reward. The variants `smooth`, `smooth0.3`, `rime` and `rime-nowarm` are PEBBLE's
+variant files for noisy labels (sac_rlhf_mistake_aware.py, sac_rlhf_rime.py) (rime's warm start fits the k-NN state entropy of the training buffer, which here comes from a
 sac.py run rather than from exploration). Rows add `label_error` (the labels' own error rate against the true reward)
 and rime's shares of labels trusted/dropped/flipped in the last epoch; a second table gives, per teacher, every
 variant's median acc over seeds with its range.
 
     python bench/reward_learning.py run --envs dm_control/walker-walk-v0 Hopper-v5 --stage 10000 --budgets 50 100 \
         --strategies disagree --teachers oracle mistake0.1 mistake0.2 mistake0.3 beta10 beta1 \
-        --variants default smooth rime --seeds 1 2 3 --output bench/results/reward_learning_noise.json
+        --variants default smooth rime --seeds 1 2 3 --output bench/results/reward_learning/noisy-teachers/buffer-walker-walk-hopper-100.json
 
 Replay (`replay`): a finished sac_rlhf.py run's own labels, the queries its online loop chose and its teacher's
 answers, fitted again session by session (in the sessions and on the replay buffer as it stood when they came) with
@@ -54,7 +54,7 @@ pairs of the run's final buffer. It asks whether a defence, rather than the quer
     python bench/reward_learning.py replay --runs bench/workdir/models/<run>/latest --variants default rime rime-nowarm
 
 Variants change sac_rlhf.Args fields passed to train_reward_model; the few the scripts have no setting for (ReLU,
-weight decay, a step count proportional to the labels, the old segment sampler) are BENCH-ONLY EXPERIMENTS, marked so
+weight decay, a step count proportional to the labels, a segment sampler that cuts segments at time limits) are BENCH-ONLY EXPERIMENTS, marked so
 below: if one wins, it has to be written into sac_rlhf.py and pref_ppo.py before a run can use it. A run that is
 interrupted keeps its finished trials in <output>.tmp; `--resume` continues from there, or adds trials (other
 variants, strategies, seeds, envs) to a finished <output>.
@@ -63,6 +63,7 @@ variants, strategies, seeds, envs) to a finished <output>.
 import argparse
 import copy
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -75,11 +76,15 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn as nn
-from common import REPO, defence_name, machine_info, print_table, read_summary, start_script, wait_all, write_json
+from common import REPO, defence_name, defence_of, machine_info, print_table, read_summary, results_path, start_script, wait_all, write_json
 from scipy.stats import rankdata
 
 import sac_rlhf
+import sac_rlhf_mistake_aware
+import sac_rlhf_rime
 from cleanrlhf_utils.buffers import ReplayBuffer
+from cleanrlhf_utils.feedback import SyntheticTeacher
+from cleanrlhf_utils.networks import ensemble_mlp
 
 WORKDIR = REPO / "bench" / "workdir"
 BUFFERS = WORKDIR / "buffers"
@@ -98,6 +103,7 @@ class Variant:
     epochs_per_label: float = 0.0  # > 0: BENCH-ONLY, a fixed ceil(k x labels / batch) Adam steps per session, no stop
     activation: type[nn.Module] = nn.LeakyReLU  # BENCH-ONLY when not LeakyReLU (RewardEnsemble's)
     weight_decay: float = 0.0  # BENCH-ONLY: Adam's L2 weight decay (the scripts have none)
+    dropout: float = 0.0  # BENCH-ONLY: dropout while the reward model trains (RewardEnsemble's `dropout`; the scripts use none)
     cut_segments: bool = False  # BENCH-ONLY: queries and SURF's pairs start anywhere, cut at time limits, as before
 
 
@@ -130,7 +136,7 @@ VARIANTS = {
     "lr1e-4": Variant("reward-model learning rate 1e-4", {"reward_net_lr": 1e-4}),
     "lr1e-3": Variant("reward-model learning rate 1e-3", {"reward_net_lr": 1e-3}),
     "wd1e-4": Variant("BENCH-ONLY: Adam weight decay 1e-4", weight_decay=1e-4),
-    "dropout0.1": Variant("dropout 0.1 while training", {"reward_net_dropout": 0.1}),
+    "dropout0.1": Variant("dropout 0.1 while training", dropout=0.1),
     # SURF
     "surf-off": Variant("no SURF (no crops, no pseudo-labels)", {"surf": False}),
     "surf-paper": Variant(
@@ -151,12 +157,12 @@ VARIANTS = {
         cut_segments=True,
     ),
     # noisy teachers (--robust-labels)
-    "smooth": Variant("mistake-aware Bradley-Terry expecting 10 % flipped labels (--robust-labels smooth)", {"robust_labels": "smooth"}),
+    "smooth": Variant("mistake-aware Bradley-Terry expecting 10 % flipped labels (sac_rlhf_mistake_aware.py)", {"robust_labels": "smooth"}),
     "smooth0.3": Variant(
         "mistake-aware Bradley-Terry expecting 30 % flipped labels", {"robust_labels": "smooth", "robust_label_epsilon": 0.3}
     ),
     "rime": Variant(
-        "RIME's selection and warm start (--robust-labels rime --rime-warm-start-steps 1000); the warm start fits the k-NN state entropy of the training buffer",
+        "RIME's selection and warm start (sac_rlhf_rime.py --rime-warm-start-steps 1000); the warm start fits the k-NN state entropy of the training buffer",
         {"robust_labels": "rime", "rime_warm_start_steps": 1000},
     ),
     "rime-nowarm": Variant(
@@ -204,15 +210,39 @@ def teacher_settings(name: str) -> dict:
     raise SystemExit(f"unknown teacher {name!r}: oracle, mistake<eps> (e.g. mistake0.2) or beta<b> (e.g. beta10)")
 
 
+DEFENCE_FIELDS = ("robust_labels", "robust_label_epsilon")
+"""Variant.args keys that choose the label-noise defence, not settings of sac_rlhf.Args: `robust_labels` none, smooth
+(sac_rlhf_mistake_aware.py, expecting robust_label_epsilon flipped labels) or rime (sac_rlhf_rime.py; its rime_* settings
+are fields of sac_rlhf_rime.Args, which holds PEBBLE's too)"""
+
+
+def variant_args(variant: Variant, **settings) -> sac_rlhf_rime.Args:
+    """The run's settings for a variant: PEBBLE's and RIME's (sac_rlhf_rime.Args carries both)."""
+    fields = {name: value for name, value in variant.args.items() if name not in DEFENCE_FIELDS}
+    return sac_rlhf_rime.Args(**fields | settings)
+
+
+def reward_training(variant: Variant, args: sac_rlhf_rime.Args):
+    """What the variant's run passes to sac_rlhf.main as reward_training: PEBBLE's, the mistake-aware loss's or RIME's
+    (whose state carries across sessions, as a run's)."""
+    defence = variant.args.get("robust_labels", "none")
+    if defence == "rime":
+        return sac_rlhf_rime.RimeTraining(args)
+    if defence == "smooth":
+        loss = functools.partial(sac_rlhf_mistake_aware.mistake_aware_loss, epsilon=variant.args.get("robust_label_epsilon", 0.1))
+        return functools.partial(sac_rlhf.train_reward_model, loss_fn=loss)
+    return sac_rlhf.train_reward_model
+
+
 def new_model(variant: Variant, args: sac_rlhf.Args, rb: ReplayBuffer) -> tuple[sac_rlhf.RewardEnsemble, torch.optim.Optimizer]:
     """The ensemble and optimiser as sac_rlhf.main builds them, with the variant's bench-only changes."""
     input_dim = rb.obs.shape[1] + rb.actions.shape[1]
-    sizes = (args.reward_ensemble_size, args.reward_net_hidden_dim, args.reward_net_hidden_layers, args.reward_net_dropout)
+    sizes = (args.reward_ensemble_size, args.reward_net_hidden_dim, args.reward_net_hidden_layers, variant.dropout)
     model = sac_rlhf.RewardEnsemble(input_dim, *sizes)
     if variant.activation is not nn.LeakyReLU:
-        model.net = sac_rlhf.ensemble_mlp(
+        model.net = ensemble_mlp(
             args.reward_ensemble_size, input_dim, args.reward_net_hidden_dim, args.reward_net_hidden_layers, 1,
-            activation=variant.activation, dropout=args.reward_net_dropout,
+            activation=variant.activation, dropout=variant.dropout,
         )  # fmt: skip
     optimizer = torch.optim.Adam(model.parameters(), lr=args.reward_net_lr, weight_decay=variant.weight_decay, fused=True)
     return model, optimizer
@@ -344,7 +374,7 @@ def fit_session(
     args: sac_rlhf.Args,
     variant: Variant,
     rng: np.random.Generator,
-    label_filter: sac_rlhf.LabelFilter,
+    training,
     session: int,
 ) -> tuple[sac_rlhf.RewardEnsemble, torch.optim.Optimizer, sac_rlhf.Args, dict]:
     """The reward model's training after session `session` (0-based), as sac_rlhf.py trains it, with the variant's
@@ -356,16 +386,16 @@ def fit_session(
         steps_per_epoch = math.ceil(len(prefs) / args.reward_net_batch_size)
         steps = math.ceil(variant.epochs_per_label * len(prefs) / args.reward_net_batch_size)
         args = dataclasses.replace(args, reward_net_epochs=math.ceil(steps / steps_per_epoch), **NO_STOP)
-    stats = sac_rlhf.train_reward_model(model, optimizer, prefs, rb, args, rng, "cpu", label_filter)
+    stats = training(model, optimizer, prefs, rb, args, rng, "cpu")
     return model, optimizer, args, stats
 
 
 def label_error(prefs: sac_rlhf.PreferenceBuffer) -> float:
-    """The labels' own error rate against the true reward (sac_rlhf.teacher_mistakes; ties, of the returns or of the
-    labels, left out of the count)."""
+    """The labels' own error rate against the true reward (sac_rlhf_rime.teacher_mistakes; ties, of the returns or of
+    the labels, left out of the count)."""
     true_returns = (prefs.true_rewards * prefs.masks).sum(-1)
     decided = (true_returns[:, 0] != true_returns[:, 1]) & (prefs.labels != 0.5)
-    return float(sac_rlhf.teacher_mistakes(prefs, np.arange(len(prefs)), None, prefs.obs_actions.shape[-1])[decided].mean())
+    return float(sac_rlhf_rime.teacher_mistakes(prefs, np.arange(len(prefs)), None, prefs.obs_actions.shape[-1])[decided].mean())
 
 
 def selection_stats(stats: dict) -> dict:
@@ -377,11 +407,11 @@ def selection_stats(stats: dict) -> dict:
 def run_trial(
     rb: ReplayBuffer, evals: dict[str, EvalSet], strategy: str, variant: Variant, seed: int, opts, teacher_name: str = "oracle"
 ) -> list[dict]:
-    args = sac_rlhf.Args(**variant.args, **teacher_settings(teacher_name), seed=seed, preference_sampling=strategy)
-    label_filter = sac_rlhf.LabelFilter()  # --robust-labels rime's state across sessions, as the run's
+    args = variant_args(variant, **teacher_settings(teacher_name), seed=seed, preference_sampling=strategy)
+    training = reward_training(variant, args)  # RIME's state carries across sessions, as the run's
     torch.manual_seed(seed)  # ensemble initialisation and train_reward_model's shuffles
     rng = np.random.default_rng(seed)  # query sampling and SURF's unlabelled pairs, as the run's rng
-    teacher = sac_rlhf.SyntheticTeacher(
+    teacher = SyntheticTeacher(
         args.teacher_beta, args.teacher_gamma, args.teacher_eps_mistake, args.teacher_eps_skip, args.teacher_eps_equal, seed=seed + 1, rb=rb
     )
     model, optimizer = new_model(variant, args, rb)
@@ -402,7 +432,7 @@ def run_trial(
         arrays = [segments[name][answered] for name in ("obs_actions", "masks", "true_rewards", "physics_states")]
         prefs.add(*arrays, labels[answered], np.zeros(int(answered.sum()), dtype=bool), session)
         cpu, wall = time.process_time(), time.perf_counter()
-        model, optimizer, args, stats = fit_session(model, optimizer, prefs, rb, args, variant, rng, label_filter, session)
+        model, optimizer, args, stats = fit_session(model, optimizer, prefs, rb, args, variant, rng, training, session)
         fit_cpu, fit_wall = fit_cpu + time.process_time() - cpu, fit_wall + time.perf_counter() - wall
         adam_steps += stats["epochs"] * math.ceil(len(prefs) / args.reward_net_batch_size)
         if asked in opts.budgets:  # measured after the session that reaches a budget
@@ -519,6 +549,7 @@ def run_benchmark(opts) -> None:
         raise SystemExit(f"unknown variants {unknown}; `python bench/reward_learning.py variants` lists them")
     variants = opts.variants if "default" in opts.variants else ["default", *opts.variants]  # the reference, always
     output, tmp = Path(opts.output), Path(f"{opts.output}.tmp")
+    output.parent.mkdir(parents=True, exist_ok=True)  # a new <benchmark>/<question>/ folder of bench/results
     earlier = json.loads((tmp if tmp.exists() else output).read_text()) if opts.resume and (tmp.exists() or output.exists()) else {}
     trials, commands = earlier.get("trials", []), earlier.get("commands", [])
     commands.append(" ".join(["python", "bench/reward_learning.py", *sys.argv[1:]]))
@@ -592,13 +623,6 @@ def run_benchmark(opts) -> None:
 # ----------------------------------------------------------------------------------------
 # Replay: a finished run's own labels, session by session
 # ----------------------------------------------------------------------------------------
-DEFENCE_FIELDS = (
-    "robust_labels", "robust_label_epsilon", "rime_alpha", "rime_beta_max", "rime_beta_min", "rime_beta_decay_epochs",
-    "rime_flip_tau", "rime_warm_start_steps",
-)  # fmt: skip
-"""sac_rlhf.Args fields of the label-noise defence: a replay sets them to the scripts' defaults, then the variant's"""
-
-
 def load_run(folder: Path) -> tuple[dict, ReplayBuffer]:
     """(checkpoint, replay buffer) of a sac_rlhf.py checkpoint folder (models/<run>/latest)."""
     checkpoint_file, buffer_file = folder / "checkpoint.pt", folder / "replay_buffer.npz"
@@ -614,14 +638,13 @@ def replay_trial(checkpoint: dict, full: ReplayBuffer, data: EvalSet, variant: V
     """The run's labels, in the sessions it got them (their global steps), each session fitted as sac_rlhf.py fits
     it with the run's reward-model settings, its defence replaced by the variant's, on the replay buffer as it stood
     then; after every session a row measured on `data` (fresh pairs of the run's final buffer)."""
-    recorded = {name: value for name, value in checkpoint["args"].items() if name in sac_rlhf.Args.__dataclass_fields__}
-    defaults = sac_rlhf.Args()
-    args = dataclasses.replace(sac_rlhf.Args(**recorded), **{name: getattr(defaults, name) for name in DEFENCE_FIELDS})
-    args = dataclasses.replace(args, **variant.args, seed=seed)
+    pebble = sac_rlhf.Args.__dataclass_fields__  # the run's own settings; its defence's are replaced by the variant's
+    recorded = {name: value for name, value in checkpoint["args"].items() if name in pebble}
+    args = variant_args(variant, **recorded | {"seed": seed})
     torch.manual_seed(seed)  # ensemble initialisation and train_reward_model's shuffles
     rng = np.random.default_rng(seed)  # SURF's unlabelled pairs and the warm start's rows
     model, optimizer = new_model(variant, args, full)
-    label_filter = sac_rlhf.LabelFilter()
+    training = reward_training(variant, args)
     stored = checkpoint["preference_buffer"]
     prefs = sac_rlhf.PreferenceBuffer(args.segment_length, full.obs.shape[1] + full.actions.shape[1], full.physics_states.shape[1])
     rows = []
@@ -630,7 +653,7 @@ def replay_trial(checkpoint: dict, full: ReplayBuffer, data: EvalSet, variant: V
         fields = ("obs_actions", "masks", "true_rewards", "physics_states", "labels", "heldout")
         prefs.add(*(np.asarray(stored[name])[new] for name in fields), int(step))
         then = slice_buffer(full, slice(0, rows_before_step(full, int(step))))
-        model, optimizer, args, stats = fit_session(model, optimizer, prefs, then, args, variant, rng, label_filter, session)
+        model, optimizer, args, stats = fit_session(model, optimizer, prefs, then, args, variant, rng, training, session)
         row = {
             "session": session + 1,
             "step": int(step),
@@ -659,9 +682,9 @@ def replay_runs(opts) -> None:
         data = EvalSet.from_buffer(full, opts.eval_pairs, opts.eval_segment_length, (EVAL_SEED, full.size))
         recorded = checkpoint["args"]
         run = checkpoint["run_name"]
-        defence = defence_name(recorded, sac_rlhf.Args.rime_flip_tau)
+        defence = defence_name(recorded, sac_rlhf_rime.Args.rime_flip_tau)
         runs_info[run] = {
-            "folder": str(folder), "env_id": recorded["env_id"], "seed": recorded["seed"], "robust_labels": recorded.get("robust_labels", "none"),
+            "folder": str(folder), "env_id": recorded["env_id"], "seed": recorded["seed"], "robust_labels": defence_of(recorded),
             "teacher_eps_mistake": recorded.get("teacher_eps_mistake"), "teacher_beta": recorded.get("teacher_beta"),
             "labels": int(len(checkpoint["preference_buffer"]["labels"])), "transitions": full.size,
         }  # fmt: skip
@@ -733,7 +756,7 @@ def main() -> None:
     run.add_argument("--eval-segment-length", type=int, default=50, help="fresh pairs' length, whatever the variant's")
     run.add_argument("--latest-window", type=int, default=10_000, help="the latest policy's data: last transitions of the longest buffer")
     run.add_argument("--threads", type=int, default=1, help="torch threads (the scripts' --torch-threads default)")
-    run.add_argument("--output", default=str(REPO / "bench" / "results" / "reward_learning.json"))
+    run.add_argument("--output", default=str(results_path("reward_learning", "reward-learning", "fixed-buffers")))
     run.add_argument("--resume", action="store_true", help="keep the trials of <output>.tmp (or of a finished <output>) and add to them")
     run.set_defaults(func=run_benchmark)
 
@@ -747,7 +770,7 @@ def main() -> None:
     replay.add_argument("--eval-pairs", type=int, default=1000)
     replay.add_argument("--eval-segment-length", type=int, default=50)
     replay.add_argument("--threads", type=int, default=1, help="torch threads (the scripts' --torch-threads default)")
-    replay.add_argument("--output", default=str(REPO / "bench" / "results" / "reward_learning_replay.json"))
+    replay.add_argument("--output", default=str(results_path("reward_learning", "reward-learning", "replay")))
     replay.set_defaults(func=replay_runs)
 
     opts = parser.parse_args()

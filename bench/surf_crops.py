@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from common import REPO, machine_info, print_table, write_json
+from common import machine_info, print_table, results_path, write_json
 
 import sac_rlhf
 from cleanrlhf_utils.buffers import ReplayBuffer
@@ -51,7 +51,7 @@ def main() -> None:
     parser.add_argument("--action-dim", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--output", type=Path, default=REPO / "bench" / "results" / "surf_crops.json")
+    parser.add_argument("--output", type=Path, default=results_path("surf_crops", "speed", "surf-crops"))
     opts = parser.parse_args()
     torch.set_num_threads(1)
     args = dataclasses.replace(sac_rlhf.Args(), reward_net_epochs=opts.epochs, reward_net_target_accuracy=2.0)  # never stops early

@@ -1,7 +1,7 @@
 """Throughput of SAC's learning phase: environment steps per second of this checkout's sac.py and sac_rlhf.py
 against the same scripts at another commit (--against, checked out into a temporary git worktree), Hopper-v5,
-one torch thread per run. Targets (issue 12): sac.py >= 1.5x the steps/s of the commit before the speed work
-(257de00), sac_rlhf.py >= 0.9x sac.py.
+one torch thread per run. Targets: sac.py >= 1.5x the steps/s of the reference commit 257de00 (plain CleanRL-style
+updates), sac_rlhf.py >= 0.9x sac.py.
 
     python bench/throughput.py                           # 3 rounds against 257de00
     python bench/throughput.py --against HEAD~3 --rounds 5
@@ -28,7 +28,7 @@ milliseconds per step by part; `other` is the rest (buffer, sampling, tensors fr
 On a GPU the CPU figure counts only the host's side; the wall figure is the one to read.
 
 --threads N (N > 1, for a machine with nothing else running) gives every run N intra-op threads (--torch-threads where a
-version has it; before issue 12 the scripts took torch's default, which follows OMP_NUM_THREADS). The two runs of a pair then go one after the other instead of side by side, so that neither run's
+version has it; a version without the flag takes torch's default, which follows OMP_NUM_THREADS). The two runs of a pair then go one after the other instead of side by side, so that neither run's
 threads wait for the other's.
 """
 
@@ -46,7 +46,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from common import FRAMEWORK, REPO, machine_info, print_table, start_process, wait_all, write_json
+from common import FRAMEWORK, REPO, machine_info, print_table, results_path, start_process, wait_all, write_json
 
 SCRIPTS = ("sac.py", "sac_rlhf.py")
 VERSIONS = ("this", "against")
@@ -145,7 +145,7 @@ def child(framework: str, script: str, start: str, output: str, *flags: str) -> 
     module, sac_rlhf = importlib.import_module(script[:-3]), importlib.import_module("sac_rlhf")
     assert Path(module.__file__).parent == Path(framework), f"imported {module.__file__}, not {framework}'s"
     run_args = tyro.cli(module.Args, args=list(flags))
-    if hasattr(run_args, "torch_threads"):  # versions since issue 12 set their threads; older ones follow OMP_NUM_THREADS
+    if hasattr(run_args, "torch_threads"):  # versions with --torch-threads set their threads; older ones follow OMP_NUM_THREADS
         run_args.torch_threads = int(os.environ["OMP_NUM_THREADS"])
     with StepTimer(module, sac_rlhf, int(start)) as timer:
         module.main(run_args)
@@ -213,7 +213,7 @@ def main() -> None:
     parser.add_argument(
         "--against",
         default="257de00",
-        help="git ref to compare with (default: the commit before issue 12), or `cpu`: this checkout with --no-cuda (on a GPU machine)",
+        help="git ref to compare with (default: the reference commit 257de00), or `cpu`: this checkout with --no-cuda (on a GPU machine)",
     )
     parser.add_argument("--env-id", default="Hopper-v5")
     parser.add_argument("--rounds", type=int, default=3)
@@ -226,7 +226,7 @@ def main() -> None:
     parser.add_argument("--cudagraphs", action="store_true", help="run this checkout's scripts with --cudagraphs (a CUDA GPU)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per run; above 1 the runs of a pair go one at a time")
     parser.add_argument("--workdir", type=Path, default=REPO / "bench" / "workdir")
-    parser.add_argument("--output", type=Path, default=REPO / "bench" / "results" / "throughput.json")
+    parser.add_argument("--output", type=Path, default=results_path("throughput", "speed", "throughput"))
     args = parser.parse_args()
     args.workdir = args.workdir.resolve()
     args.speed_flags = [flag for flag, on in (("--compile", args.compile), ("--cudagraphs", args.cudagraphs)) if on]

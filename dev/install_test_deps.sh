@@ -3,8 +3,8 @@
 #   - Chromium (Debian's `chromium` package): the browser test of the feedback page, tests/test_feedback_page.py
 #   - a one-node SLURM (controller, node daemon, client commands, MUNGE), through .ci/install_slurm.sh:
 #     tests/test_slurm.py starts its own cluster with them
-#   - Poetry, in a venv of its own (its dependencies stay out of the project's), linked onto PATH: the `poetry check`
-#     of tests/test_first_run.py
+#   - Poetry, in a venv of its own (its dependencies stay out of the project's), linked onto PATH: the clean-clone
+#     `poetry install` of tests/test_first_run.py and the `poetry check --lock` of tests/test_lock.py
 # Idempotent: what is already installed is left alone, so running it again installs nothing. Each part prints one
 # line saying what it did; one that cannot be installed prints a warning (its tests then skip, saying why), and the
 # last line says whether everything is in place. Exit code 0, or 1 with --strict where something is missing.
@@ -69,7 +69,7 @@ else
       *) echo "  $poetry_bin is not on PATH: export PATH=\"\$PATH:$poetry_bin\" (or add it to your shell's profile)" ;;
     esac
   else
-    echo "warning: poetry: could not install it into $poetry_venv; the poetry check of tests/test_first_run.py will skip"
+    echo "warning: poetry: could not install it into $poetry_venv; the Poetry tests of tests/test_first_run.py and tests/test_lock.py will skip"
     missing+=(poetry)
   fi
 fi

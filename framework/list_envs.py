@@ -1,7 +1,7 @@
 # Which environments work: builds every Gymnasium MuJoCo v5 id, every DeepMind Control Suite task
 # (through shimmy) and every Meta-World task (metaworld/<task>), steps it, stores a short segment's simulator states, checks that restoring a state
 # replays the transition exactly and that the segment re-renders to the same frames, and writes
-# framework/working_envs.md with pass/fail and the reason. Nothing in that list is maintained by hand:
+# docs/reference/working-envs.md with pass/fail and the reason. Nothing in that list is maintained by hand:
 #   python framework/list_envs.py                      # all of them (a few minutes)
 #   python framework/list_envs.py --only walker Hopper # ids containing one of these
 import json
@@ -19,12 +19,14 @@ import numpy as np
 
 os.environ.setdefault("MUJOCO_GL", "egl")
 FRAMEWORK_DIR = Path(__file__).resolve().parent
+# The list is a page of the docs site (its environment reference), written here and nowhere else.
+WORKING_ENVS_PAGE = FRAMEWORK_DIR.parent / "docs" / "reference" / "working-envs.md"
 
 
 @dataclass
 class Args:
-    output: str = str(FRAMEWORK_DIR / "working_envs.md")
-    """the Markdown table to write"""
+    output: str = str(WORKING_ENVS_PAGE)
+    """the Markdown table to write (by default the docs site's page, docs/reference/working-envs.md)"""
     only: list[str] = field(default_factory=list)
     """check only the ids containing one of these strings (default: every candidate)"""
     segment_length: int = 25
@@ -182,7 +184,7 @@ def write_markdown(rows: list[dict], path: str | Path, settings: dict) -> None:
 
 
 def read_markdown(path: str | Path) -> dict[str, dict]:
-    """The rows of a working_envs.md, by env id."""
+    """The rows of a working-envs page (as write_markdown writes it), by env id."""
     rows = {}
     for line in Path(path).read_text().splitlines():
         if line.startswith("| `"):

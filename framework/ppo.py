@@ -8,7 +8,11 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Literal
+
+from cleanrlhf_utils.arguments import refuse_unknown_flags
+
+if __name__ == "__main__":
+    refuse_unknown_flags(__file__)  # a mistyped flag: one line at once, not after the seconds torch takes to import
 
 import gymnasium as gym
 import numpy as np
@@ -19,81 +23,47 @@ from cleanrlhf_utils import envs as cleanrlhf_envs
 from cleanrlhf_utils.checkpoints import checkpoint_file, load_checkpoint, save_checkpoint
 from cleanrlhf_utils.cli import cli
 from cleanrlhf_utils.envs import autoreset_pending, check_can_render, check_env_id, get_physics_state
-from cleanrlhf_utils.errors import ConfigError, need
+from cleanrlhf_utils.errors import ConfigError, check_ranges, need
 from cleanrlhf_utils.evaluate import evaluate_and_log, success_summary
+from cleanrlhf_utils.run import RunArgs
 from cleanrlhf_utils.tracking import announce_run, default_run_name, progress_bar, start_logging, stop_logging, write_summary
-from cleanrlhf_utils.training import RunningMoments, crossed, seed_everything
+from cleanrlhf_utils.training import EpisodeTracker, NormalizedPolicy, ObservationNormalizer, ReturnNormalizer, crossed, seed_everything
 
 
 @dataclass
-class PPOArgs:
-    """Settings shared with the true-reward baseline ppo.py (experiment, environment, PPO, evaluation)."""
+class PPOArgs(RunArgs):
+    """Settings shared with the true-reward baseline ppo.py: PPO and its environment."""
 
-    # --- experiment ---
-    exp_name: str = "pref_ppo"
-    """the name of this experiment (part of the run name)"""
-    run_name: str | None = None
-    """outputs go to runs/, models/ and videos/<run_name>; default: <env>__<exp>__<seed>__<time>"""
-    seed: int = 1
-    """seed of the experiment (environments seed, seed+1, ...; networks; sampling; a synthetic teacher uses seed+1)"""
-    torch_deterministic: bool = True
-    """if toggled, `torch.backends.cudnn.deterministic=True`"""
-    cuda: bool = True
-    """if toggled, cuda will be used when available"""
-    torch_threads: int = 1
-    """torch's intra-op threads on the CPU: one is fastest for these network sizes, most of all on a shared machine
-    (measured: 10x faster than torch's default on 2 busy cores); 0 keeps torch's default"""
-    track: bool = False
-    """if toggled, this experiment will be tracked with Weights and Biases"""
-    wandb_project_name: str = "CleanRLHF"
-    """the wandb's project name"""
-    wandb_entity: str | None = None
-    """the entity (team) of wandb's project"""
-    progress_bar: bool = True
-    """show a progress bar over the environment steps"""
-    capture_video: bool = False
-    """write mp4 videos of evaluation episodes to videos/<run_name>/"""
-    render_mode: Literal["human", "rgb_array"] | None = None
-    """render the first training environment live (`human`); cannot be combined with --capture-video"""
-    video_width: int = 320
-    """width of rendered frames of MuJoCo environments (videos and re-rendered segments)"""
-    video_height: int = 240
-    """height of rendered frames of MuJoCo environments (videos and re-rendered segments)"""
-
-    # --- environment and PPO (CleanRL's ppo_continuous_action defaults) ---
     env_id: str = "Hopper-v5"
-    """the id of the environment: Gymnasium MuJoCo, dm_control/<domain>-<task>-v0, or classic control (CartPole-v1, ...);
-    framework/working_envs.md lists the MuJoCo and DMC ones"""
+    """Gymnasium MuJoCo, dm_control/<domain>-<task>-v0 or classic control (CartPole-v1, ...) (docs/reference/working-envs.md)"""
     terminate_when_unhealthy: bool = True
-    """end an episode when the robot falls (Hopper, Walker2d, Ant, Humanoid); --no-terminate-when-unhealthy keeps it
-    running so a person can teach what the default termination forbids (a salto, raising one leg)"""
+    """end an episode when the robot falls (Hopper, Walker2d, Ant, Humanoid)"""
     terminate_when_tilted: bool = True
-    """with --terminate-when-unhealthy, also end an episode when the torso tilts past Gymnasium's healthy angle (Hopper
-    0.2 rad, Walker2d 1 rad); --no-terminate-when-tilted ends it on a fall (torso height) only, so a flip goes on"""
+    """with --terminate-when-unhealthy, also end it when the torso tilts past Gymnasium's healthy angle"""
     total_timesteps: int = 1_000_000
     """total environment steps (whole iterations of num_envs x num_steps: the remainder is not run)"""
     learning_rate: float = 3e-4
     """the learning rate of the optimizer"""
     num_envs: int = 1
-    """the number of parallel game environments (gym.vector.SyncVectorEnv)"""
+    """the number of parallel environments (gym.vector.SyncVectorEnv)"""
     num_steps: int = 2048
     """the number of steps to run in each environment per policy rollout"""
     anneal_lr: bool = True
-    """toggle learning rate annealing for policy and value networks"""
+    """anneal the learning rate linearly to 0"""
     gamma: float = 0.99
     """the discount factor gamma"""
     gae_lambda: float = 0.95
-    """the lambda for the general advantage estimation"""
+    """the lambda of generalised advantage estimation"""
     num_minibatches: int = 32
     """the number of mini-batches"""
     update_epochs: int = 10
     """the K epochs to update the policy"""
     norm_adv: bool = True
-    """toggles advantages normalization"""
+    """normalise the advantages"""
     clip_coef: float = 0.2
     """the surrogate clipping coefficient"""
     clip_vloss: bool = True
-    """toggles whether or not to use a clipped loss for the value function, as per the paper"""
+    """clip the value loss, as PPO's paper does"""
     ent_coef: float = 0.0
     """coefficient of the entropy"""
     vf_coef: float = 0.5
@@ -115,43 +85,24 @@ class PPOArgs:
     normalize_reward: bool = True
     """divide the rewards PPO learns from by the running std of the discounted return (CleanRL's NormalizeReward)"""
 
-    # --- evaluation ---
-    evaluation_frequency: int = 10_000
-    """environment steps between evaluations, checked after each iteration (0: only at the end)"""
-    evaluation_episodes: int = 5
-    """episodes per evaluation (deterministic actions, distinct seeds)"""
+
+PPO_RANGES = {
+    "total_timesteps": "> 0", "num_envs": ">= 1", "num_steps": ">= 1", "learning_rate": "> 0", "num_minibatches": ">= 1",
+    "update_epochs": ">= 1", "gamma": "in [0, 1]", "gae_lambda": "in [0, 1]", "clip_coef": "> 0", "max_grad_norm": "> 0",
+    "actor_hidden_layers": ">= 0", "critic_hidden_layers": ">= 0", "evaluation_frequency": ">= 0", "evaluation_episodes": ">= 1",
+}  # fmt: skip
 
 
 def validate_ppo_args(args: PPOArgs) -> None:
-    need(args.total_timesteps > 0, f"--total-timesteps must be positive, got {args.total_timesteps}")
-    need(args.num_envs >= 1, f"--num-envs must be >= 1, got {args.num_envs}")
-    need(args.num_steps >= 1, f"--num-steps must be >= 1, got {args.num_steps}")
+    check_ranges(args, PPO_RANGES)
     need(
         args.total_timesteps >= args.num_envs * args.num_steps,
         f"--total-timesteps ({args.total_timesteps}) must hold at least one rollout of --num-envs x --num-steps = {args.num_envs * args.num_steps} steps",
     )
-    need(args.learning_rate > 0, f"--learning-rate must be > 0, got {args.learning_rate}")
-    need(args.num_minibatches >= 1, f"--num-minibatches must be >= 1, got {args.num_minibatches}")
-    need(args.update_epochs >= 1, f"--update-epochs must be >= 1, got {args.update_epochs}")
-    need(0 <= args.gamma <= 1, f"--gamma must be in [0, 1], got {args.gamma}")
-    need(0 <= args.gae_lambda <= 1, f"--gae-lambda must be in [0, 1], got {args.gae_lambda}")
-    need(args.clip_coef > 0, f"--clip-coef must be > 0, got {args.clip_coef}")
-    need(args.max_grad_norm > 0, f"--max-grad-norm must be > 0, got {args.max_grad_norm}")
     need(args.target_kl is None or args.target_kl > 0, f"--target-kl must be > 0, got {args.target_kl}")
-    need(args.actor_hidden_layers >= 0 and args.critic_hidden_layers >= 0, "--actor-hidden-layers and --critic-hidden-layers must be >= 0")
-    need(
-        args.evaluation_frequency >= 0 and args.evaluation_episodes >= 1,
-        f"--evaluation-frequency must be >= 0 and --evaluation-episodes >= 1, got {args.evaluation_frequency} and {args.evaluation_episodes}",
-    )
-    need(
-        not (args.capture_video and args.render_mode == "human"),
-        "--capture-video cannot be combined with --render-mode human (choose one)",
-    )
     check_env_id(args.env_id)
     if args.capture_video:
         check_can_render(args.env_id, "--capture-video")
-    if args.render_mode is not None:
-        check_can_render(args.env_id, f"--render-mode {args.render_mode}")
 
 
 def check_ppo_actions(env_id: str, space: gym.Space) -> None:
@@ -165,11 +116,11 @@ def make_env(
     env_id: str,
     seed: int,
     render_mode=None,
-    width: int = 320,
-    height: int = 240,
-    terminate_when_unhealthy: bool = True,
+    width=320,
+    height=240,
+    terminate_when_unhealthy=True,
     task_seed=None,
-    terminate_when_tilted: bool = True,
+    terminate_when_tilted=True,
 ):
     """cleanrlhf_utils' environment, refused unless PPO can act in it (task_seed: the Meta-World layout, default seed's)."""
     return cleanrlhf_envs.make_env(
@@ -178,25 +129,15 @@ def make_env(
 
 
 def make_vector_env(args: PPOArgs) -> gym.vector.SyncVectorEnv:
-    """num_envs copies with Gymnasium's next-step autoreset; only the first renders with --render-mode."""
-    return gym.vector.SyncVectorEnv(
-        [
-            make_env(
-                args.env_id,
-                args.seed + i,
-                args.render_mode if i == 0 else None,
-                args.video_width,
-                args.video_height,
-                args.terminate_when_unhealthy,
-                task_seed=args.seed,  # one Meta-World layout for all copies: the one evaluations use
-                terminate_when_tilted=args.terminate_when_tilted,
-            )
-            for i in range(args.num_envs)
-        ],
-        autoreset_mode=gym.vector.AutoresetMode.NEXT_STEP,
-    )
+    """num_envs copies with Gymnasium's next-step autoreset, all on the Meta-World layout of the run's seed."""
+    settings = (args.video_width, args.video_height, args.terminate_when_unhealthy, args.seed, args.terminate_when_tilted)
+    copies = [make_env(args.env_id, args.seed + i, None, *settings) for i in range(args.num_envs)]
+    return gym.vector.SyncVectorEnv(copies, autoreset_mode=gym.vector.AutoresetMode.NEXT_STEP)
 
 
+# ----------------------------------------------------------------------------------------
+# PPO: CleanRL's agent, rollouts, normalisation, GAE and the clipped update (shared with ppo.py)
+# ----------------------------------------------------------------------------------------
 def layer_init(layer: nn.Linear, std: float = np.sqrt(2), bias_const: float = 0.0) -> nn.Linear:
     torch.nn.init.orthogonal_(layer.weight, std)
     torch.nn.init.constant_(layer.bias, bias_const)
@@ -218,13 +159,7 @@ class Agent(nn.Module):
     (actions are clipped to the bounds when they are sent to the env); Discrete actions: a categorical."""
 
     def __init__(
-        self,
-        obs_dim: int,
-        action_space: gym.spaces.Space,
-        actor_hidden_dim: int = 64,
-        actor_hidden_layers: int = 2,
-        critic_hidden_dim: int = 64,
-        critic_hidden_layers: int = 2,
+        self, obs_dim: int, action_space, actor_hidden_dim=64, actor_hidden_layers=2, critic_hidden_dim=64, critic_hidden_layers=2
     ):
         super().__init__()
         self.discrete = isinstance(action_space, gym.spaces.Discrete)
@@ -293,29 +228,7 @@ def encode_actions(actions: np.ndarray, action_space: gym.spaces.Space) -> np.nd
     return actions.reshape(*actions.shape[: actions.ndim - len(action_space.shape)], -1).astype(np.float32)
 
 
-class PPOPolicy(nn.Module):
-    """What evaluation runs: a raw observation, normalised with the training statistics, to the agent's
-    deterministic action. The statistics are a copy: evaluation never updates them."""
-
-    def __init__(self, agent: Agent, normalizer: "ObservationNormalizer"):
-        super().__init__()
-        self.agent, self.discrete = agent, agent.discrete
-        self.normalize_obs, self.clip, self.epsilon = normalizer.enabled, normalizer.clip, normalizer.epsilon
-        device = next(agent.parameters()).device  # the agent's: observations are moved to it (a GPU run's evaluation)
-        self.register_buffer("obs_mean", torch.tensor(normalizer.mean, dtype=torch.float64, device=device))
-        self.register_buffer("obs_var", torch.tensor(normalizer.var, dtype=torch.float64, device=device))
-
-    def normalize(self, x: torch.Tensor) -> torch.Tensor:
-        """The same arithmetic as ObservationNormalizer.normalize (float64, then float32)."""
-        if not self.normalize_obs:
-            return x.float()
-        return ((x.double() - self.obs_mean) / torch.sqrt(self.obs_var + self.epsilon)).clamp(-self.clip, self.clip).float()
-
-    def deterministic_action(self, x: torch.Tensor) -> torch.Tensor:
-        return self.agent.deterministic_action(self.normalize(x.to(self.obs_mean.device)))
-
-
-def load_policy(path: str | Path, env_id: str | None = None) -> tuple[PPOPolicy, str]:
+def load_policy(path: str | Path, env_id: str | None = None) -> tuple[NormalizedPolicy, str]:
     """The evaluation policy of a pref_ppo.py or ppo.py checkpoint (file or folder), with its observation
     normalisation, and the env id to run it on (default: the one it was trained on)."""
     path = checkpoint_file(path)
@@ -332,7 +245,7 @@ def load_policy(path: str | Path, env_id: str | None = None) -> tuple[PPOPolicy,
     try:
         agent.load_state_dict(checkpoint["agent"])
         normalizer.load_state_dict(checkpoint["obs_normalizer"])
-        policy = PPOPolicy(agent, normalizer)
+        policy = NormalizedPolicy(agent, normalizer)
     except (RuntimeError, ValueError) as error:
         raise ConfigError(f"the model in {path} does not fit --env-id {env_id}: {str(error).splitlines()[0]}") from None
     return policy, env_id
@@ -368,89 +281,9 @@ class RolloutBuffer:
         return np.concatenate([self.raw_obs, self.reward_actions], axis=-1)
 
 
-class ObservationNormalizer(RunningMoments):
-    """CleanRL's NormalizeObservation, kept outside the env so that checkpoints carry it and evaluation applies it:
-    (obs - mean) / sqrt(var + eps), clipped to +-clip. Updated between rollouts, so that all the steps of a
-    rollout (and the values bootstrapped from them) are normalised alike."""
-
-    def __init__(self, obs_dim: int, enabled: bool = True, clip: float = 10.0, epsilon: float = 1e-8):
-        super().__init__(obs_dim)
-        self.enabled, self.clip, self.epsilon = enabled, clip, epsilon
-
-    def normalize(self, obs: np.ndarray) -> np.ndarray:
-        obs = np.asarray(obs, dtype=np.float32)  # as evaluation sees it
-        if not self.enabled:
-            return obs
-        return np.clip((obs - self.mean) / np.sqrt(self.var + self.epsilon), -self.clip, self.clip).astype(np.float32)
-
-
-class ReturnNormalizer:
-    """CleanRL's NormalizeReward outside the env: rewards are divided by the running std of every env's discounted
-    return, which restarts at each episode end. Applied to the rewards PPO learns from only: the teacher and the
-    reward model's bookkeeping keep the raw true reward."""
-
-    def __init__(self, num_envs: int, gamma: float, enabled: bool = True, epsilon: float = 1e-8):
-        self.num_envs, self.gamma, self.enabled, self.epsilon = num_envs, gamma, enabled, epsilon
-        self.reset()
-
-    def reset(self) -> None:
-        self.returns, self.moments = np.zeros(self.num_envs), RunningMoments()
-
-    def scale(self, rewards: np.ndarray, dones: np.ndarray, valid: np.ndarray) -> np.ndarray:
-        if not self.enabled:
-            return rewards.astype(np.float32, copy=True)
-        seen = []
-        for t in range(len(rewards)):
-            self.returns = np.where(valid[t], self.returns * self.gamma + rewards[t], self.returns)
-            seen.append(self.returns[valid[t]])
-            self.returns = np.where(dones[t], 0.0, self.returns)
-        self.moments.update(np.concatenate(seen))
-        return (rewards / np.sqrt(self.moments.var + self.epsilon)).astype(np.float32)
-
-    def state_dict(self) -> dict:
-        return {"returns": self.returns.copy(), "moments": self.moments.state_dict()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.returns = np.array(state["returns"])
-        self.moments.load_state_dict(state["moments"])
-
-
-class EpisodeTracker:
-    """Return, length and id of every env's running episode. Ids are unique across envs, so that replay-buffer
-    segments never join two episodes."""
-
-    def __init__(self, num_envs: int):
-        self.ids, self.next_id = np.arange(num_envs, dtype=np.int64), num_envs
-        self.returns, self.lengths = np.zeros(num_envs), np.zeros(num_envs, dtype=np.int64)
-
-    def step(self, rewards: np.ndarray, dones: np.ndarray, valid: np.ndarray) -> list[tuple[int, float, int]]:
-        """Counts one vector step; returns (env, return, length) of the episodes that ended with it."""
-        self.returns[valid] += rewards[valid]
-        self.lengths[valid] += 1
-        finished = []
-        for i in np.flatnonzero(valid & dones):
-            finished.append((int(i), float(self.returns[i]), int(self.lengths[i])))
-            self.returns[i], self.lengths[i], self.ids[i] = 0.0, 0, self.next_id
-            self.next_id += 1
-        return finished
-
-    def state_dict(self) -> dict:
-        return {"ids": self.ids.copy(), "next_id": self.next_id, "returns": self.returns.copy(), "lengths": self.lengths.copy()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.ids, self.next_id = np.array(state["ids"]), int(state["next_id"])
-        self.returns, self.lengths = np.array(state["returns"]), np.array(state["lengths"])
-
-
 def collect_rollout(
-    envs: gym.vector.SyncVectorEnv,
-    agent: Agent,
-    obs_rms: ObservationNormalizer,
-    rollout: RolloutBuffer,
-    obs: np.ndarray,
-    episodes: EpisodeTracker,
-    device,
-) -> tuple[np.ndarray, list[tuple[int, int, float, int]]]:
+    envs, agent: Agent, obs_rms: ObservationNormalizer, rollout: RolloutBuffer, obs: np.ndarray, episodes: EpisodeTracker, device
+) -> tuple:
     """Runs the policy for num_steps vector steps from `obs`, filling `rollout`. Returns the observation to
     continue from and the episodes that ended, as (step within the rollout, env, return, length)."""
     action_space = envs.single_action_space
@@ -491,14 +324,7 @@ def rollout_values(agent: Agent, rollout: RolloutBuffer, device) -> tuple[np.nda
 
 
 def compute_gae(
-    rewards: np.ndarray,
-    values: np.ndarray,
-    next_values: np.ndarray,
-    terminated: np.ndarray,
-    truncated: np.ndarray,
-    valid: np.ndarray,
-    gamma: float,
-    gae_lambda: float,
+    rewards, values, next_values, terminated, truncated, valid, gamma: float, gae_lambda: float
 ) -> tuple[np.ndarray, np.ndarray]:
     """Generalised advantage estimation over a rollout, arrays (T, N), with Gymnasium's next-step autoreset.
 
@@ -595,9 +421,6 @@ def set_learning_rate(optimizer: torch.optim.Optimizer, args: PPOArgs, iteration
     return lr
 
 
-# ----------------------------------------------------------------------------------------
-# The baseline: PPO on the environment's reward
-# ----------------------------------------------------------------------------------------
 @dataclass
 class Args(PPOArgs):
     """PPO on the environment's true reward (the baseline of pref_ppo.py)."""
@@ -657,12 +480,12 @@ def main(args: Args, on_evaluation: Callable[[int, float], None] | None = None) 
                 progress.set_postfix(ret=f"{last_return:.0f}", eval=f"{last_eval:.0f}", refresh=False)
                 progress.update(global_step - progress.n)
             if crossed(args.evaluation_frequency, global_step - batch_size, global_step) and iteration < num_iterations:
-                last_eval = evaluate_and_log(PPOPolicy(agent, obs_rms), args, writer, video_dir, device, global_step, on_evaluation)
+                last_eval = evaluate_and_log(NormalizedPolicy(agent, obs_rms), args, writer, video_dir, device, global_step, on_evaluation)
 
         if progress is not None:
             progress.close()
         wall = time.time() - start_time
-        last_eval = evaluate_and_log(PPOPolicy(agent, obs_rms), args, writer, video_dir, device, global_step, on_evaluation)
+        last_eval = evaluate_and_log(NormalizedPolicy(agent, obs_rms), args, writer, video_dir, device, global_step, on_evaluation)
         state = {
             "algorithm": "ppo",
             "run_name": run_name,

@@ -3,12 +3,15 @@
 # then `main`, the training loop. The SAC part is a deliberate copy of sac_rlhf.py's (one file = one algorithm, as
 # CleanRL keeps it), held identical by tests/test_lockstep.py, so a comparison measures learning from preferences
 # and nothing else; the replay buffer, evaluation and checkpoints are cleanrlhf_utils', shared by both.
+import contextlib
 import math
-import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
-from pathlib import Path
-from typing import Literal
+from dataclasses import dataclass
+
+from cleanrlhf_utils.arguments import refuse_unknown_flags
+
+if __name__ == "__main__":
+    refuse_unknown_flags(__file__)  # a mistyped flag: one line at once, not after the seconds torch takes to import
 
 import gymnasium as gym
 import numpy as np
@@ -17,116 +20,56 @@ import torch.nn as nn
 
 from cleanrlhf_utils import envs as cleanrlhf_envs
 from cleanrlhf_utils.buffers import ReplayBuffer
-from cleanrlhf_utils.checkpoints import (
-    ResumeArgs,
-    earlier_wall_seconds,
-    load_checkpoint,
-    load_optimizer,
-    load_training_state,
-    save_checkpoint,
-    training_state,
-    validate_resume_args,
-)
-from cleanrlhf_utils.cli import RunInterrupted, cli
-from cleanrlhf_utils.envs import (
-    autoreset_pending,
-    capture_env_state,
-    check_env_id,
-    get_physics_state,
-    physics_state_size,
-    restore_env_state,
-)
-from cleanrlhf_utils.errors import need
-from cleanrlhf_utils.evaluate import evaluate_and_log, success_summary
-from cleanrlhf_utils.objectives import apply_objective, step_rewards
-from cleanrlhf_utils.stopping import stop_between_steps, stop_here_if_requested
-from cleanrlhf_utils.tracking import (
-    AGENT_MEASURES,
-    RecentMeans,
-    announce_run,
-    default_run_name,
-    progress_bar,
-    public_settings,
-    start_logging,
-    stop_logging,
-    write_summary,
-)
+from cleanrlhf_utils.checkpoints import ResumeArgs, load_optimizer, validate_resume_args
+from cleanrlhf_utils.cli import cli
+from cleanrlhf_utils.envs import autoreset_pending, check_env_id, get_physics_state, physics_state_size
+from cleanrlhf_utils.errors import check_ranges, need
+from cleanrlhf_utils.networks import ensemble_mlp
+from cleanrlhf_utils.objectives import Objective, apply_objective, step_rewards
+from cleanrlhf_utils.run import Run, RunArgs
+from cleanrlhf_utils.stopping import stop_here_if_requested
+from cleanrlhf_utils.tracking import AGENT_MEASURES, RecentMeans, log_update
 from cleanrlhf_utils.training import frozen, outputs_copied, seed_everything
 
 
 @dataclass
-class SACArgs:
-    """Settings shared with the true-reward baseline sac.py (experiment, SAC, evaluation)."""
+class SACArgs(RunArgs):
+    """Settings shared with the true-reward baseline sac.py: SAC and its environment."""
 
-    # --- experiment ---
-    exp_name: str = "sac_rlhf"
-    """the name of this experiment (part of the run name)"""
-    run_name: str | None = None
-    """outputs go to runs/, models/ and videos/<run_name>; default: <env>__<exp>__<seed>__<time>"""
-    seed: int = 1
-    """seed of the experiment (environments, networks, buffer sampling; a synthetic teacher uses seed+1)"""
-    torch_deterministic: bool = True
-    """if toggled, `torch.backends.cudnn.deterministic=True`"""
-    cuda: bool = True
-    """if toggled, cuda will be used when available"""
-    torch_threads: int = 1
-    """torch's intra-op threads on the CPU: one is fastest for these network sizes, most of all on a shared machine
-    (measured: 10x faster than torch's default on 2 busy cores); 0 keeps torch's default"""
     compile: bool = False
-    """torch.compile the SAC update and acting (the first updates wait about a minute for the compiler); results
-    equal eager's up to floating-point rounding. For a GPU: on a CPU it measured 40 % slower than eager (torch 2.13)"""
+    """torch.compile the SAC update and acting (for a GPU; the first updates wait about a minute for the compiler)"""
     cudagraphs: bool = False
     """replay the compiled update and acting as CUDA graphs (a CUDA GPU only; implies --compile)"""
-    track: bool = False
-    """if toggled, this experiment will be tracked with Weights and Biases"""
-    wandb_project_name: str = "CleanRLHF"
-    """the wandb's project name"""
-    wandb_entity: str | None = None
-    """the entity (team) of wandb's project"""
-    progress_bar: bool = True
-    """show a progress bar over the environment steps"""
-    capture_video: bool = False
-    """write mp4 videos of evaluation episodes to videos/<run_name>/"""
-    render_mode: Literal["human", "rgb_array"] | None = None
-    """render the training environment live (`human`); cannot be combined with --capture-video"""
-    video_width: int = 320
-    """width of rendered frames (videos and re-rendered segments)"""
-    video_height: int = 240
-    """height of rendered frames (videos and re-rendered segments)"""
-
-    # --- environment and SAC (CleanRL's defaults) ---
     env_id: str = "Hopper-v5"
-    """the id of the environment (any Gymnasium MuJoCo id or dm_control/<domain>-<task>-v0; framework/working_envs.md lists them)"""
+    """a Gymnasium MuJoCo id, dm_control/<domain>-<task>-v0, metaworld/<task>-v3 or module:Id (docs/reference/working-envs.md)"""
     terminate_when_unhealthy: bool = True
-    """end an episode when the robot falls (Hopper, Walker2d, Ant, Humanoid); --no-terminate-when-unhealthy keeps it
-    running so a person can teach what the default termination forbids (a salto, raising one leg)"""
+    """end an episode when the robot falls (Hopper, Walker2d, Ant, Humanoid)"""
     terminate_when_tilted: bool = True
-    """with --terminate-when-unhealthy, also end an episode when the torso tilts past Gymnasium's healthy angle (Hopper
-    0.2 rad, Walker2d 1 rad); --no-terminate-when-tilted ends it on a fall (torso height) only, so a flip goes on"""
+    """with --terminate-when-unhealthy, also end it when the torso tilts past Gymnasium's healthy angle"""
     total_timesteps: int = 1_000_000
     """total environment steps"""
     buffer_size: int = 1_000_000
-    """the replay memory buffer size (capped at total_timesteps)"""
+    """the replay buffer's size (capped at total_timesteps)"""
     gamma: float = 0.99
-    """the discount factor gamma"""
+    """the discount factor"""
     tau: float = 0.005
     """target smoothing coefficient"""
     batch_size: int = 256
-    """the batch size of sample from the replay memory"""
+    """transitions per SAC update"""
     learning_starts: int = 1000
     """steps of uniformly random actions before SAC starts updating"""
     policy_lr: float = 3e-4
-    """the learning rate of the policy network optimizer"""
+    """the actor's learning rate"""
     q_lr: float = 1e-3
-    """the learning rate of the Q network optimizer"""
+    """the critics' learning rate"""
     policy_frequency: int = 2
-    """the frequency of training policy (delayed)"""
+    """update the actor every this many steps (that many times)"""
     target_network_frequency: int = 1
-    """the frequency of updates for the target networks"""
+    """update the target critics every this many steps"""
     alpha: float = 0.2
-    """entropy regularization coefficient (initial value when autotuned)"""
+    """entropy coefficient (its initial value with --autotune)"""
     autotune: bool = True
-    """automatic tuning of the entropy coefficient"""
+    """tune the entropy coefficient automatically"""
     actor_hidden_dim: int = 256
     """width of the actor's hidden layers"""
     actor_hidden_layers: int = 2
@@ -136,24 +79,15 @@ class SACArgs:
     critic_hidden_layers: int = 2
     """number of hidden layers of the critics"""
 
-    # --- evaluation and checkpoints ---
-    evaluation_frequency: int = 10_000
-    """environment steps between evaluations (0: only at the end)"""
-    evaluation_episodes: int = 5
-    """episodes per evaluation (deterministic actions, distinct seeds)"""
+
+SAC_RANGES = {
+    "total_timesteps": "> 0", "buffer_size": ">= 1", "learning_starts": ">= 1", "evaluation_frequency": ">= 0",
+    "evaluation_episodes": ">= 1",
+}  # fmt: skip
 
 
 def validate_sac_args(args: SACArgs) -> None:
-    need(args.total_timesteps > 0, f"--total-timesteps must be positive, got {args.total_timesteps}")
-    need(args.learning_starts >= 1, f"--learning-starts must be >= 1, got {args.learning_starts}")
-    need(
-        args.evaluation_frequency >= 0 and args.evaluation_episodes >= 1,
-        f"--evaluation-frequency must be >= 0 and --evaluation-episodes >= 1, got {args.evaluation_frequency} and {args.evaluation_episodes}",
-    )
-    need(
-        not (args.capture_video and args.render_mode == "human"),
-        "--capture-video cannot be combined with --render-mode human (choose one)",
-    )
+    check_ranges(args, SAC_RANGES)
     need(
         not args.cudagraphs or (args.cuda and torch.cuda.is_available()),
         "--cudagraphs needs a CUDA GPU, and torch sees none here (or --no-cuda was given): drop --cudagraphs",
@@ -174,47 +108,16 @@ def check_sac_actions(env_id: str, space: gym.Space) -> None:
     )
 
 
-def make_env(
-    env_id: str,
-    seed: int,
-    render_mode: str | None = None,
-    width: int = 320,
-    height: int = 240,
-    terminate_when_unhealthy: bool = True,
-    terminate_when_tilted: bool = True,
-):
+def make_env(env_id: str, seed: int, render_mode=None, width=320, height=240, terminate_when_unhealthy=True, terminate_when_tilted=True):
     """cleanrlhf_utils' environment, refused unless SAC can act in it."""
     return cleanrlhf_envs.make_env(
         env_id, seed, render_mode, width, height, terminate_when_unhealthy, check_sac_actions, terminate_when_tilted=terminate_when_tilted
     )
 
 
-class EnsembleLinear(nn.Module):
-    """`members` independent linear layers evaluated with one batched matmul: (E, N, in) -> (E, N, out)."""
-
-    def __init__(self, members: int, in_features: int, out_features: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(members, in_features, out_features))
-        self.bias = nn.Parameter(torch.empty(members, 1, out_features))
-        bound = 1 / math.sqrt(in_features)  # nn.Linear's default initialisation, per member
-        nn.init.uniform_(self.weight, -bound, bound)
-        nn.init.uniform_(self.bias, -bound, bound)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.baddbmm(self.bias, x, self.weight)
-
-
-def ensemble_mlp(members: int, in_dim: int, hidden_dim: int, hidden_layers: int, out_dim: int, activation=nn.ReLU, dropout: float = 0.0):
-    layers, width = [], in_dim
-    for _ in range(hidden_layers):
-        layers += [EnsembleLinear(members, width, hidden_dim), activation()]
-        if dropout > 0:
-            layers.append(nn.Dropout(dropout))
-        width = hidden_dim
-    layers.append(EnsembleLinear(members, width, out_dim))
-    return nn.Sequential(*layers)
-
-
+# ----------------------------------------------------------------------------------------
+# SAC. The twin critics are one 2-member batched network (cleanrlhf_utils.networks).
+# ----------------------------------------------------------------------------------------
 class TwinQNetwork(nn.Module):
     """SAC's two critics as one 2-member batched network; returns Q values of shape (2, B)."""
 
@@ -373,29 +276,19 @@ class SACAgent:
             stats["alpha_loss"] = alpha_loss.detach()
         return stats
 
+    NETWORKS, OPTIMIZERS = ("actor", "qf", "qf_target"), ("actor_optimizer", "q_optimizer", "alpha_optimizer")
+
     def state_dict(self) -> dict:
-        state = {
-            "actor": self.actor.state_dict(),
-            "qf": self.qf.state_dict(),
-            "qf_target": self.qf_target.state_dict(),
-            "actor_optimizer": self.actor_optimizer.state_dict(),
-            "q_optimizer": self.q_optimizer.state_dict(),
-            "log_alpha": self.log_alpha.detach().clone(),
-        }
-        if self.args.autotune:
-            state["alpha_optimizer"] = self.alpha_optimizer.state_dict()
-        return state
+        parts = [*self.NETWORKS, *self.OPTIMIZERS[: 3 if self.args.autotune else 2]]
+        return {name: getattr(self, name).state_dict() for name in parts} | {"log_alpha": self.log_alpha.detach().clone()}
 
     def load_state_dict(self, state: dict) -> None:
-        self.actor.load_state_dict(state["actor"])
-        self.qf.load_state_dict(state["qf"])
-        self.qf_target.load_state_dict(state["qf_target"])
-        load_optimizer(self.actor_optimizer, state["actor_optimizer"])
-        load_optimizer(self.q_optimizer, state["q_optimizer"])
+        for name in self.NETWORKS:
+            getattr(self, name).load_state_dict(state[name])
+        for name in self.OPTIMIZERS[: 3 if self.args.autotune else 2]:
+            load_optimizer(getattr(self, name), state[name])
         with torch.no_grad():
             self.log_alpha.copy_(state["log_alpha"])
-        if self.args.autotune:
-            load_optimizer(self.alpha_optimizer, state["alpha_optimizer"])
 
 
 # ----------------------------------------------------------------------------------------
@@ -403,14 +296,13 @@ class SACAgent:
 # ----------------------------------------------------------------------------------------
 @dataclass
 class Args(ResumeArgs, SACArgs):
-    """SAC on the environment's true reward (the baseline of sac_rlhf.py), with checkpoints to resume from
-    (cleanrlhf_utils.checkpoints.ResumeArgs)."""
+    """SAC on the environment's true reward (the baseline of sac_rlhf.py), with checkpoints to resume from."""
 
     exp_name: str = "sac"
     """the name of this experiment (part of the run name)"""
     reward_objective: str = ""
-    """train on this objective's reward instead of the env's (a --teacher-objective name or module:function): the
-    ceiling of a preference run on that objective; evaluations log eval/objective_return beside the env's return"""
+    """train on this objective's reward instead of the env's (a --teacher-objective name or module:function): the ceiling
+    of a preference run on that objective"""
 
 
 @dataclass
@@ -424,141 +316,76 @@ class LoopState:
     last_eval_return: float = float("nan")
 
 
-def main(args: Args, on_evaluation: Callable[[int, float], None] | None = None) -> dict:
-    """Train and return the run's summary. `on_evaluation(step, mean_return)`, if given, is called after every
-    evaluation (a sweep uses it to report intermediate results and prune hopeless trials: what it raises ends the run)."""
+def main(args: Args, on_evaluation: Callable[[int, float], None] | None = None, objective: Objective | None = None) -> dict:
+    """Train and return the run's summary. `on_evaluation(step, mean_return)` is called after every evaluation (a sweep
+    reports and prunes with it). `objective`: a reward to train on in place of --reward-objective's (bench/reward_gap.py
+    passes another run's learned reward, frozen)."""
     validate_sac_args(args)
     validate_resume_args(args)
-    objective = apply_objective(args, field="reward_objective")  # sets what it needs, e.g. no unhealthy termination
-    envs = gym.vector.SyncVectorEnv(
-        [
-            make_env(
-                args.env_id,
-                args.seed,
-                args.render_mode,
-                args.video_width,
-                args.video_height,
-                args.terminate_when_unhealthy,
-                args.terminate_when_tilted,
-            )
-        ],
-        autoreset_mode=gym.vector.AutoresetMode.NEXT_STEP,
-    )
-    resume_state = load_checkpoint(Path(args.resume) / "checkpoint.pt") if args.resume else None
-    run_name = args.run_name or (resume_state["run_name"] if resume_state else default_run_name(args))
-    run_dir, model_dir, video_dir = Path("runs") / run_name, Path("models") / run_name, Path("videos") / run_name
-    writer = start_logging(args, run_name, run_dir, resume_state["loop"]["global_step"] if resume_state else None)
-    announce_run(run_name, args)
-    try:  # closed however the run ends, e.g. when a sweep prunes it from on_evaluation
+    measured = apply_objective(args, field="reward_objective")  # sets what it needs, e.g. no unhealthy termination
+    objective = objective or measured
+    run = Run(args, "sac", on_evaluation)
+    with contextlib.ExitStack() as cleanup:  # closes what was opened however the run ends (a sweep may prune it)
+        env = make_env(
+            args.env_id, args.seed, None, args.video_width, args.video_height, args.terminate_when_unhealthy, args.terminate_when_tilted
+        )
+        envs = gym.vector.SyncVectorEnv([env], autoreset_mode=gym.vector.AutoresetMode.NEXT_STEP)
+        cleanup.callback(envs.close)
+        writer = run.start_logging(cleanup)
         device, rng = seed_everything(args)
-
         obs, _ = envs.reset(seed=args.seed)
-        obs_dim = int(np.prod(envs.single_observation_space.shape))
-        action_space = envs.single_action_space
+        obs_dim, action_space = int(np.prod(envs.single_observation_space.shape)), envs.single_action_space
         action_dim = int(np.prod(action_space.shape))
         agent = SACAgent(obs_dim, action_space, args, device)
         rb = ReplayBuffer(min(args.buffer_size, args.total_timesteps), obs_dim, action_dim, physics_state_size(envs.envs[0]))
-        loop = LoopState()
+        trained = rb.true_rewards if objective is None else rb.learned_rewards  # what SAC learns (true_rewards: the env's)
         recent = RecentMeans(AGENT_MEASURES)  # summary.json's figures of the last updates
+        loop, obs = run.restore({"agent": agent}, rng, rb, envs, obs, LoopState())
 
-        def checkpoint(folder: Path) -> None:
-            state = {"run_name": run_name, "args": public_settings(args), "loop": asdict(loop), "env": capture_env_state(envs, obs)}
-            state["wall_seconds"] = earlier_wall + time.time() - start_time  # the whole run's, across resumes
-            save_checkpoint(folder, state | training_state({"agent": agent}, rng), rb)
+        def checkpoint() -> None:
+            run.save("latest", run.state({"agent": agent}, rng, loop, envs, obs), rb)
 
-        if resume_state is not None:
-            load_training_state({"agent": agent}, rng, resume_state)
-            loop, obs = LoopState(**resume_state["loop"]), restore_env_state(envs, resume_state["env"])
-            rb.load(Path(args.resume) / "replay_buffer.npz")
-            print(f"resumed {run_name} at step {loop.global_step}")
+        with run.training(loop, args.total_timesteps, save_last=checkpoint):
+            while loop.global_step < args.total_timesteps:
+                stop_here_if_requested()  # Ctrl-C, SIGTERM: stop here, between two steps, never inside one
+                step = loop.global_step
+                if step < args.learning_starts:
+                    actions = rng.uniform(action_space.low, action_space.high, size=(1, action_dim)).astype(np.float32)
+                else:
+                    actions = agent.act(obs)
+                physics_state = get_physics_state(envs.envs[0])
+                autoreset = bool(autoreset_pending(envs)[0])
+                next_obs, rewards, terminations, truncations, _ = envs.step(actions)
+                if not autoreset:  # next-step autoreset: the reset step is not a transition
+                    slot = rb.add(obs[0], next_obs[0], actions[0], rewards[0], terminations[0], loop.episode_id, physics_state)
+                    if objective is not None:  # --reward-objective: SAC learns the objective's reward of the step, not the env's
+                        rewards = step_rewards(objective, obs, actions, physics_state[None])
+                        rb.learned_rewards[slot] = rewards[0]
+                    run.track_episode(loop, rewards[0], terminations[0] or truncations[0], writer, step)
+                obs = next_obs
+                loop.global_step += 1
 
-        progress = progress_bar(args, args.total_timesteps, loop.global_step)
-        start_time, start_step, interrupted = time.time(), loop.global_step, False
-        earlier_wall = earlier_wall_seconds(resume_state)  # training seconds before the checkpoint this run resumes from
-        try:
-            with stop_between_steps():
-                while loop.global_step < args.total_timesteps:
-                    stop_here_if_requested()  # Ctrl-C, SIGTERM: stop here, between two steps, never inside one
-                    step = loop.global_step
-                    if step < args.learning_starts:
-                        actions = rng.uniform(action_space.low, action_space.high, size=(1, action_dim)).astype(np.float32)
-                    else:
-                        actions = agent.act(obs)
-                    physics_state = get_physics_state(envs.envs[0])
-                    autoreset = bool(autoreset_pending(envs)[0])
-                    next_obs, rewards, terminations, truncations, _ = envs.step(actions)
-                    if not autoreset:  # next-step autoreset: the reset step is not a transition
-                        if objective is not None:  # --reward-objective: the objective's reward of this step, not the env's
-                            rewards = step_rewards(objective, obs, actions, physics_state[None])
-                        rb.add(obs[0], next_obs[0], actions[0], rewards[0], terminations[0], loop.episode_id, physics_state)
-                        loop.episode_return, loop.episode_length = loop.episode_return + float(rewards[0]), loop.episode_length + 1
-                        if terminations[0] or truncations[0]:
-                            writer.add_scalar("charts/episodic_return", loop.episode_return, step)
-                            writer.add_scalar("charts/episodic_length", loop.episode_length, step)
-                            if progress is not None:
-                                progress.set_postfix(ret=f"{loop.episode_return:.0f}", eval=f"{loop.last_eval_return:.0f}", refresh=False)
-                            loop.episode_id, loop.episode_return, loop.episode_length = loop.episode_id + 1, 0.0, 0
-                    obs = next_obs
-                    loop.global_step += 1
-
-                    if step >= args.learning_starts:
-                        idx = rb.sample_indices(args.batch_size, rng)
-                        stats = agent.update(
-                            torch.as_tensor(rb.obs[idx], device=device),
-                            torch.as_tensor(rb.actions[idx], device=device),
-                            torch.as_tensor(rb.true_rewards[idx], device=device),
-                            torch.as_tensor(rb.next_obs[idx], device=device),
-                            torch.as_tensor(rb.terminated[idx], device=device),
-                            step,
-                        )
-                        if step % 100 == 0:
-                            for name, value in stats.items():
-                                writer.add_scalar(f"losses/{name}", float(value), step)
-                            recent.add(stats)
+                if step >= args.learning_starts:
+                    idx = rb.sample_indices(args.batch_size, rng)
+                    batch = (torch.as_tensor(a[idx], device=device) for a in (rb.obs, rb.actions, trained, rb.next_obs, rb.terminated))
+                    stats = agent.update(*batch, step)
                     if step % 100 == 0:
-                        writer.add_scalar("charts/SPS", int((loop.global_step - start_step) / (time.time() - start_time)), step)
-                        if progress is not None:
-                            progress.update(loop.global_step - progress.n)
+                        log_update(writer, stats, step, {}, recent)
+                if step % 100 == 0:
+                    writer.add_scalar("charts/SPS", int((loop.global_step - run.start_step) / run.elapsed()), step)
+                    run.show_progress(loop)
 
-                    before_end = loop.global_step < args.total_timesteps
-                    if args.evaluation_frequency and loop.global_step % args.evaluation_frequency == 0 and before_end:
-                        loop.last_eval_return = evaluate_and_log(
-                            agent.actor, args, writer, video_dir, device, loop.global_step, on_evaluation
-                        )
-                    if args.checkpoint_frequency and loop.global_step % args.checkpoint_frequency == 0 and before_end:
-                        checkpoint(model_dir / "latest")
-        except KeyboardInterrupt:
-            interrupted = True
-            print(f"\ninterrupted at step {loop.global_step}: saving models/{run_name}/latest")
-        finally:
-            wall = time.time() - start_time  # training time: periodic evaluations included, the final one not
-            checkpoint(model_dir / "latest")
-            if progress is not None:
-                progress.update(loop.global_step - progress.n)
-                progress.close()
+                before_end = loop.global_step < args.total_timesteps
+                if args.evaluation_frequency and loop.global_step % args.evaluation_frequency == 0 and before_end:
+                    run.evaluate(agent.actor, loop, device)
+                if args.checkpoint_frequency and loop.global_step % args.checkpoint_frequency == 0 and before_end:
+                    checkpoint()
 
-        if not interrupted:
-            loop.last_eval_return = evaluate_and_log(agent.actor, args, writer, video_dir, device, loop.global_step, on_evaluation)
-        summary = {
-            "run_name": run_name,
-            "env_id": args.env_id,
-            "global_step": loop.global_step,
-            "final_eval_return": float(loop.last_eval_return),
-            **success_summary(loop.last_eval_return),  # final_success_rate, on envs that report success (Meta-World)
-            "wall_seconds": earlier_wall + wall,  # the whole run's, across resumes
-            "sps": (loop.global_step - start_step) / wall,  # this process's
-            "interrupted": interrupted,
-            **recent.summary(),  # the last updates' Q-value, policy entropy, alpha
-            "true_reward_mean": float(rb.true_rewards[: rb.size].mean()),  # the scale alpha weighs the entropy against
-            "true_reward_std": float(rb.true_rewards[: rb.size].std()),
-        }
-        write_summary(run_dir, summary)
-        if interrupted:
-            raise RunInterrupted(model_dir / "latest")  # the command line says how to resume from it
-        return summary
-    finally:
-        envs.close()
-        stop_logging(args, writer)
+        if not run.interrupted:
+            run.evaluate(agent.actor, loop, device)
+        rewards = trained[: rb.size]  # the scale alpha weighs the entropy against
+        scale = {"true_reward_mean": float(rewards.mean()), "true_reward_std": float(rewards.std())}
+        return run.finish(loop, recent.summary() | scale)
 
 
 if __name__ == "__main__":

@@ -1,25 +1,26 @@
-# PEBBLE: SAC trained only from preferences (Lee et al. 2021, https://arxiv.org/abs/2106.05091)
-# with SURF (Park et al. 2022) and RUNE (Liang et al. 2022), in CleanRL's single-file style.
+# PEBBLE: SAC trained only from preferences (Lee et al. 2021, https://arxiv.org/abs/2106.05091), with SURF (Park et al.
+# 2022), QPA (Hu et al. 2024) and RUNE (Liang et al. 2022), in CleanRL's single-file style.
 #
-# Read top to bottom: the settings, SAC (networks and update), the preference-learning block (reward
-# ensemble, query selection, preference buffer, synthetic teacher, feedback schedule, reward training, SURF,
-# k-NN exploration, RUNE) and finally `main`, which is PEBBLE's algorithm box:
-#   1. random steps, then unsupervised exploration with a state-entropy reward,
-#   2. at every feedback session: select pairs of segments, ask the teacher, fit the reward model,
-#      relabel the replay buffer, reset the critic after exploration,
-#   3. SAC on the learned reward (plus RUNE's uncertainty bonus) between sessions.
-#
-# Environments, the replay buffer, the feedback-server client, checkpoints and logging are infrastructure,
-# imported from cleanrlhf_utils. The preference-learning block is a deliberate copy of pref_ppo.py's (one
-# file = one algorithm); tests/test_lockstep.py fails when one copy changes without the other.
+# Read top to bottom: the settings, SAC (networks and update), preference learning (the reward ensemble and its
+# Bradley-Terry loss, query selection, the preference buffer, the schedule, reward training with SURF, the k-NN state
+# entropy, RUNE) and `main`, PEBBLE's algorithm box:
+#   1. random steps, then unsupervised exploration on the k-NN state-entropy reward;
+#   2. at every feedback session: select pairs, ask the teacher, fit the reward model (`train_reward_model`; a variant
+#      file passes its own to `main`), relabel the replay buffer, reset the critic after exploration;
+#   3. SAC on the learned reward (plus RUNE's bonus) between sessions.
+# The preference-learning part is a deliberate copy of pref_ppo.py's (tests/test_lockstep.py holds them identical);
+# teachers, environments, buffers, checkpoints and logging live in cleanrlhf_utils.
 import contextlib
 import functools
 import math
-import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Literal
+
+from cleanrlhf_utils.arguments import refuse_unknown_flags
+
+if __name__ == "__main__":
+    refuse_unknown_flags(__file__)  # a mistyped flag: one line at once, not after the seconds torch takes to import
 
 import gymnasium as gym
 import numpy as np
@@ -29,135 +30,68 @@ import torch.nn.functional as F
 
 from cleanrlhf_utils import envs as cleanrlhf_envs
 from cleanrlhf_utils.buffers import PendingRewards, ReplayBuffer
-from cleanrlhf_utils.checkpoints import (
-    CheckpointArgs,
-    checkpoint_file,
-    earlier_wall_seconds,
-    load_checkpoint,
-    load_optimizer,
-    load_training_state,
-    save_checkpoint,
-    training_state,
-    validate_checkpoint_args,
-)
-from cleanrlhf_utils.cli import RunInterrupted, cli
-from cleanrlhf_utils.envs import (
-    autoreset_pending,
-    capture_env_state,
-    check_env_id,
-    get_physics_state,
-    physics_state_size,
-    restore_env_state,
-)
-from cleanrlhf_utils.errors import (
-    ConfigError,  # noqa: F401 (callers catch sac_rlhf.ConfigError)
-    need,
-    need_flag,
-)
-from cleanrlhf_utils.evaluate import evaluate_and_log
+from cleanrlhf_utils.checkpoints import CheckpointArgs, load_optimizer, validate_checkpoint_args
+from cleanrlhf_utils.cli import cli
+from cleanrlhf_utils.diagnostics import reward_diagnostics
+from cleanrlhf_utils.envs import autoreset_pending, check_env_id, get_physics_state, physics_state_size
+from cleanrlhf_utils.errors import ConfigError, check_ranges, need  # noqa: F401 (callers catch sac_rlhf.ConfigError)
 from cleanrlhf_utils.feedback import (
     FeedbackArgs,
     FeedbackSession,
-    FileTeacher,
     LabelLog,
-    Teacher,
-    connect_human_teacher,
-    need_no_teacher,
+    check_teacher_objective,
+    make_teacher,
     record_labels,
+    show_reward_model,
     validate_feedback_args,
 )
-from cleanrlhf_utils.objectives import Objective, apply_objective, check_objective, load_objective, segment_rewards, step_rewards
+from cleanrlhf_utils.networks import ensemble_mlp
+from cleanrlhf_utils.objectives import apply_objective, load_objective
 from cleanrlhf_utils.presets import PresetArgs
-from cleanrlhf_utils.stopping import stop_between_steps, stop_here_if_requested
-from cleanrlhf_utils.tracking import (
-    AGENT_MEASURES,
-    RecentMeans,
-    announce_run,
-    default_run_name,
-    log_feedback_session,
-    progress_bar,
-    public_settings,
-    run_summary,
-    start_logging,
-    stop_logging,
-    write_summary,
-)
+from cleanrlhf_utils.run import Run, RunArgs
+from cleanrlhf_utils.stopping import stop_here_if_requested
+from cleanrlhf_utils.tracking import AGENT_MEASURES, RecentMeans, log_feedback_session, log_update
 from cleanrlhf_utils.training import RunningMoments, frozen, outputs_copied, seed_everything
 
 
 @dataclass
-class SACArgs:
-    """Settings shared with the true-reward baseline sac.py (experiment, SAC, evaluation)."""
+class SACArgs(RunArgs):
+    """Settings shared with the true-reward baseline sac.py: SAC and its environment."""
 
-    # --- experiment ---
-    exp_name: str = "sac_rlhf"
-    """the name of this experiment (part of the run name)"""
-    run_name: str | None = None
-    """outputs go to runs/, models/ and videos/<run_name>; default: <env>__<exp>__<seed>__<time>"""
-    seed: int = 1
-    """seed of the experiment (environments, networks, buffer sampling; a synthetic teacher uses seed+1)"""
-    torch_deterministic: bool = True
-    """if toggled, `torch.backends.cudnn.deterministic=True`"""
-    cuda: bool = True
-    """if toggled, cuda will be used when available"""
-    torch_threads: int = 1
-    """torch's intra-op threads on the CPU: one is fastest for these network sizes, most of all on a shared machine
-    (measured: 10x faster than torch's default on 2 busy cores); 0 keeps torch's default"""
     compile: bool = False
-    """torch.compile the SAC update and acting (the first updates wait about a minute for the compiler); results
-    equal eager's up to floating-point rounding. For a GPU: on a CPU it measured 40 % slower than eager (torch 2.13)"""
+    """torch.compile the SAC update and acting (for a GPU; the first updates wait about a minute for the compiler)"""
     cudagraphs: bool = False
     """replay the compiled update and acting as CUDA graphs (a CUDA GPU only; implies --compile)"""
-    track: bool = False
-    """if toggled, this experiment will be tracked with Weights and Biases"""
-    wandb_project_name: str = "CleanRLHF"
-    """the wandb's project name"""
-    wandb_entity: str | None = None
-    """the entity (team) of wandb's project"""
-    progress_bar: bool = True
-    """show a progress bar over the environment steps"""
-    capture_video: bool = False
-    """write mp4 videos of evaluation episodes to videos/<run_name>/"""
-    render_mode: Literal["human", "rgb_array"] | None = None
-    """render the training environment live (`human`); cannot be combined with --capture-video"""
-    video_width: int = 320
-    """width of rendered frames (videos and re-rendered segments)"""
-    video_height: int = 240
-    """height of rendered frames (videos and re-rendered segments)"""
-
-    # --- environment and SAC (CleanRL's defaults) ---
     env_id: str = "Hopper-v5"
-    """the id of the environment (any Gymnasium MuJoCo id or dm_control/<domain>-<task>-v0; framework/working_envs.md lists them)"""
+    """a Gymnasium MuJoCo id, dm_control/<domain>-<task>-v0, metaworld/<task>-v3 or module:Id (docs/reference/working-envs.md)"""
     terminate_when_unhealthy: bool = True
-    """end an episode when the robot falls (Hopper, Walker2d, Ant, Humanoid); --no-terminate-when-unhealthy keeps it
-    running so a person can teach what the default termination forbids (a salto, raising one leg)"""
+    """end an episode when the robot falls (Hopper, Walker2d, Ant, Humanoid)"""
     terminate_when_tilted: bool = True
-    """with --terminate-when-unhealthy, also end an episode when the torso tilts past Gymnasium's healthy angle (Hopper
-    0.2 rad, Walker2d 1 rad); --no-terminate-when-tilted ends it on a fall (torso height) only, so a flip goes on"""
+    """with --terminate-when-unhealthy, also end it when the torso tilts past Gymnasium's healthy angle"""
     total_timesteps: int = 1_000_000
     """total environment steps"""
     buffer_size: int = 1_000_000
-    """the replay memory buffer size (capped at total_timesteps)"""
+    """the replay buffer's size (capped at total_timesteps)"""
     gamma: float = 0.99
-    """the discount factor gamma"""
+    """the discount factor"""
     tau: float = 0.005
     """target smoothing coefficient"""
     batch_size: int = 256
-    """the batch size of sample from the replay memory"""
+    """transitions per SAC update"""
     learning_starts: int = 1000
     """steps of uniformly random actions before SAC starts updating"""
     policy_lr: float = 3e-4
-    """the learning rate of the policy network optimizer"""
+    """the actor's learning rate"""
     q_lr: float = 1e-3
-    """the learning rate of the Q network optimizer"""
+    """the critics' learning rate"""
     policy_frequency: int = 2
-    """the frequency of training policy (delayed)"""
+    """update the actor every this many steps (that many times)"""
     target_network_frequency: int = 1
-    """the frequency of updates for the target networks"""
+    """update the target critics every this many steps"""
     alpha: float = 0.2
-    """entropy regularization coefficient (initial value when autotuned)"""
+    """entropy coefficient (its initial value with --autotune)"""
     autotune: bool = True
-    """automatic tuning of the entropy coefficient"""
+    """tune the entropy coefficient automatically"""
     actor_hidden_dim: int = 256
     """width of the actor's hidden layers"""
     actor_hidden_layers: int = 2
@@ -167,292 +101,88 @@ class SACArgs:
     critic_hidden_layers: int = 2
     """number of hidden layers of the critics"""
 
-    # --- evaluation and checkpoints ---
-    evaluation_frequency: int = 10_000
-    """environment steps between evaluations (0: only at the end)"""
-    evaluation_episodes: int = 5
-    """episodes per evaluation (deterministic actions, distinct seeds)"""
-
 
 @dataclass
 class PreferenceArgs:
     """Settings of preference learning (identical in sac_rlhf.py and pref_ppo.py)."""
 
-    # --- unsupervised exploration (PEBBLE) ---
     unsupervised_exploration: bool = True
-    """pre-train with the state-entropy intrinsic reward before asking for feedback"""
+    """before the first feedback session, learn on PEBBLE's k-NN state-entropy reward"""
     total_explore_steps: int = 10_000
-    """environment steps of exploration before the first feedback session (PrefPPO: the first iteration that reaches it)"""
+    """environment steps of exploration before the first feedback session"""
     explore_knn_k: int = 5
     """k of the k-nearest-neighbour state-entropy estimate"""
     explore_knn_sample_size: int = 2048
-    """number of buffer states the k-NN distances are measured against"""
-
-    # --- reward model ---
+    """buffer states the k-NN distances are measured against"""
     reward_ensemble_size: int = 3
-    """number of members of the reward-model ensemble"""
+    """members of the reward-model ensemble"""
     reward_net_hidden_dim: int = 256
     """width of the reward networks' hidden layers"""
     reward_net_hidden_layers: int = 3
-    """number of hidden layers of each reward network"""
-    reward_net_dropout: float = 0.0
-    """dropout during reward-model training (predictions always run in eval mode)"""
+    """hidden layers of each reward network"""
     reward_net_normalize_inputs: bool = False
-    """standardise (obs, action) with the replay buffer's mean and std, refreshed before every session's training
-    (the DMC run scripts turn it on: it helped on walker-walk and hurt on Hopper, bench/reward_learning.py)"""
+    """standardise the reward model's (obs, action) inputs with the replay buffer's statistics (the DMC presets do)"""
     reward_net_lr: float = 3e-4
     """learning rate of the reward model"""
     reward_net_batch_size: int = 128
     """labelled pairs per reward-model batch"""
     reward_net_epochs: int = 100
-    """maximum epochs of reward-model training per feedback session"""
+    """most epochs of reward-model training per feedback session"""
     reward_net_target_accuracy: float = 0.97
-    """stop a session's reward training once training accuracy reaches this"""
+    """stop a session's reward training once its accuracy on the labels reaches this"""
     reward_net_heldout_fraction: float = 0.1
-    """human and file mode: fraction of the labels held out (never trained on) to measure validation accuracy; it
-    costs labels. A synthetic teacher's labels all train the model (see --heldout-fresh-pairs)"""
-    heldout_fresh_pairs: int = 1000
-    """synthetic teacher: held-out accuracy is measured on this many fresh pairs of the current replay buffer labelled
-    by the true reward, which cost no label of the budget"""
-    relabel_chunk_size: int = 1024
-    """transitions per chunk when relabelling the replay buffer (or predicting a PrefPPO rollout's rewards); 1024 keeps
-    the activations in cache: 10.5 CPU-s per million transitions against 19.1 at 65536 (bench/relabel.py)"""
-    reward_standardize: bool = False
-    """standardise the learned reward the agent trains on: after every relabel (each feedback session), the mean and
-    std of the replay buffer's relabelled rewards are measured and every learned reward (and RUNE's std) is divided
-    into that scale, zero mean and unit std, until the next session refits them (checkpointed: a resume continues
-    exactly). The reward model's own scale is set by nothing but the labels (tanh outputs summed over segments), so
-    without it SAC's temperature and the critic meet a different scale after every session (bench/reward_gap.py).
-    Centring also removes the learned reward's offset, which in an env that ends episodes on a fall pays for staying
-    alive: on Walker2d-v5 it lowered every seed (docs/benchmarks/findings.md)"""
-    reward_standardize_center: bool = True
-    """with --reward-standardize: subtract the mean as well as divide by the std. --no-reward-standardize-center
-    divides by the std only and keeps the learned reward's mean (its offset, in units of its spread), so that only the
-    scale changes: on Walker2d-v5 it lengthened the episodes and left the median at 0.30 x SAC (docs/benchmarks/findings.md)"""
-
-    # --- feedback ---
+    """human and file mode: share of the labels held out to measure accuracy (a synthetic teacher's: fresh pairs)"""
     teacher_feedback_schedule: Literal["linear", "exponential"] = "exponential"
-    """`linear`: every session asks the same number of queries; `exponential`: earlier sessions ask more"""
+    """`linear`: every session asks as many queries; `exponential`: earlier sessions ask more"""
     teacher_feedback_total_queries: int = 1000
-    """total number of queries over the run (human mode, unless given: 100)"""
+    """total queries over the run (human mode, unless given: 100)"""
     teacher_feedback_num_queries_per_session: int = 100
-    """queries per session (the average under the exponential schedule; human mode, unless given: 10)"""
+    """queries per session, on average (human mode, unless given: 10)"""
     teacher_feedback_exponential_decay: float = 0.8
-    """ratio between consecutive sessions' query counts under the exponential schedule"""
+    """ratio of consecutive sessions' query counts under the exponential schedule"""
     teacher_feedback_frequency: int = 10_000
-    """environment steps between feedback sessions (PrefPPO: a session runs after the rollout that reaches its step)"""
+    """environment steps between feedback sessions"""
     segment_length: int = 50
     """steps per segment shown to the teacher"""
     preference_sampling: Literal["uniform", "disagree", "entropy"] = "disagree"
-    """how pairs are selected from the candidate pool"""
+    """how pairs are chosen from the candidate pool"""
     preference_sampling_pool_factor: int = 10
-    """candidate pool size = factor x queries (disagree/entropy)"""
-    teacher_beta: float = -1.0
-    """rationality: >= 0 draws the label from the Bradley-Terry probability with this temperature; < 0 is perfectly
-    rational (two segments worth exactly the same: a tie, 0.5)"""
-    teacher_gamma: float = 1.0
-    """myopic discount: step t of a segment of length L weighs gamma^(L-1-t)"""
-    teacher_eps_mistake: float = 0.0
-    """probability of flipping a (non-tie) label"""
-    teacher_eps_skip: float = 0.0
-    """skip a pair when neither return exceeds this fraction of the average segment return"""
-    teacher_eps_equal: float = 0.0
-    """label a tie when the returns differ by less than this fraction of the average segment return"""
-    teacher_objective: str = ""
-    """what the synthetic teacher prefers instead of the env's reward: a built-in objective (hopper-backflip,
-    ant-raise-leg, halfcheetah-backward, windmill-clockwise, windmill-counterclockwise) or your own `module:function`
-    (cleanrlhf_utils/objectives.py documents the signature); evaluations log eval/objective_return beside the env's
-    return. Human and file mode only measure it (human: people's agreement with it per session as
-    feedback/objective_agreement, each pair's objective returns in runs/<run>/shown_pairs.jsonl). Empty: the env's reward"""
-
-    # --- SURF ---
+    """candidate pool size = factor x queries (disagree, entropy)"""
     surf: bool = True
-    """semi-supervised reward learning with temporal cropping (SURF)"""
+    """SURF: pseudo-labelled pairs and temporal crops in reward training"""
     unlabeled_batch_ratio: int = 1
-    """unlabelled (pseudo-labelled) pairs per labelled pair in a batch"""
-    surf_sampling_strategy: Literal["uniform", "disagree", "entropy"] = "uniform"
-    """how unlabelled pairs are drawn from the replay buffer"""
+    """SURF: pseudo-labelled pairs per labelled pair in a batch"""
     surf_tau: float = 0.999
-    """confidence threshold of the ensemble-mean preference for a pseudo-label"""
+    """SURF: the ensemble-mean preference a pseudo-label needs (or 1 - tau)"""
     lambda_ssl: float = 0.1
-    """weight of the pseudo-label loss"""
+    """SURF: weight of the pseudo-label loss"""
     max_augmentation_offset: int = 10
-    """cropped segments are at least segment_length - max_augmentation_offset long"""
+    """crops keep at least segment_length - max_augmentation_offset steps"""
     min_augmentation_offset: int = 5
-    """cropped segments are at most segment_length - min_augmentation_offset long"""
-
-    # --- QPA (Hu et al. 2024): queries aligned with the current policy ---
+    """crops keep at most segment_length - min_augmentation_offset steps"""
     qpa_query_episodes: int = 0
-    """policy-aligned queries: draw query segments from the last N episodes only (0: the whole buffer; QPA: 10)"""
-    qpa_hybrid_ratio: float = 0.0
-    """hybrid experience replay (SAC): this share of every batch comes from the last --qpa-query-episodes episodes
-    while feedback sessions remain (QPA: 0.5)"""
+    """QPA: draw query segments from the last N episodes only (0: the whole buffer; QPA: 10)"""
     qpa_augmentations: int = 0
-    """each labelled pair also trains as this many random sub-crops per epoch, one window length for both segments
-    of a pair, inside them (QPA: 20)"""
-
-    # --- RUNE ---
+    """QPA: each label also trains as this many random crops per epoch (QPA: 20)"""
     rune: bool = False
-    """add RUNE's exploration bonus: beta_t x std of the ensemble's reward"""
+    """RUNE: add beta_t x the ensemble's reward std as an exploration bonus"""
     rune_beta: float = 0.05
-    """initial weight beta_0 of the RUNE bonus"""
+    """RUNE: the bonus's initial weight beta_0"""
     rune_beta_decay: float = 0.0001
-    """beta_t = beta_0 (1 - decay)^t, t = environment step (PrefPPO: at the start of the rollout)"""
-
-    # --- noisy teachers: robust reward learning ---
-    robust_labels: Literal["none", "smooth", "rime"] = "none"
-    """how reward learning treats labels that may be wrong: `none`, the plain Bradley-Terry loss; `smooth`, a
-    mistake-aware likelihood that expects --robust-label-epsilon of the labels flipped; `rime`, RIME's sample
-    selection (Cheng et al. 2024): every epoch the labels the ensemble finds plausible train as given, implausible
-    ones train flipped, the rest sit the epoch out (RIME's warm start on the exploration reward: --rime-warm-start-steps)"""
-    robust_label_epsilon: float = 0.1
-    """`smooth`: the share of flipped labels the loss expects, in [0, 0.5): P(label) = (1 - eps) sigmoid(R1 - R0) +
-    eps sigmoid(R0 - R1); 0 is the plain loss"""
-    rime_alpha: float = 0.5
-    """`rime`: a label trains as given while its loss is below -ln(rho) + alpha rho + min(beta_t s, 3), rho and s the
-    running maximum and std of the trusted labels' loss (RIME's bound on a corrupted label's loss: alpha = 0.5)"""
-    rime_beta_max: float = 3.0
-    """`rime`: beta_t of the trust threshold's uncertainty term at the first epoch, falling linearly to
-    --rime-beta-min over --rime-beta-decay-epochs reward-model epochs (all sessions together)"""
-    rime_beta_min: float = 1.0
-    """`rime`: beta_t once --rime-beta-decay-epochs epochs have trained"""
-    rime_beta_decay_epochs: int = 60
-    """`rime`: reward-model epochs over which beta_t falls from --rime-beta-max to --rime-beta-min (RIME, DMC: 60)"""
-    rime_flip_tau: float = 0.001
-    """`rime`: a label trains flipped when the ensemble gives it a probability below this (its loss above -ln tau)"""
-    rime_warm_start_steps: int = 0
-    """`rime`: Adam steps (256 transitions per member each) fitting the reward model to the k-NN state-entropy reward
-    of the replay buffer before the first session's labels train it. 0 (none) by default; RIME's is 1000, which on
-    walker-walk made the first selections flip correct labels (docs/benchmarks/findings.md, noisy teachers)"""
-
-
-def validate_preference_args(args) -> None:
-    """The settings of preference learning (the PreferenceArgs both algorithm scripts carry), the teacher's and
-    the checkpoints'."""
-    at_least = {
-        "buffer_size": 1, "teacher_feedback_total_queries": 0, "teacher_feedback_num_queries_per_session": 1,
-        "teacher_feedback_frequency": 1, "segment_length": 2, "preference_sampling_pool_factor": 1, "reward_ensemble_size": 1,
-        "relabel_chunk_size": 1, "unlabeled_batch_ratio": 0, "explore_knn_k": 1, "heldout_fresh_pairs": 1,
-        "qpa_query_episodes": 0, "qpa_augmentations": 0,
-    }  # fmt: skip
-    for name, low in at_least.items():
-        need_flag(args, name, lambda value, low=low: value >= low, f">= {low}")
-    need_flag(args, "teacher_feedback_exponential_decay", lambda value: 0 < value <= 1, "in (0, 1]")
-    for name in ("reward_net_dropout", "reward_net_heldout_fraction"):
-        need_flag(args, name, lambda value: 0 <= value < 1, "in [0, 1)")
-    for name in ("teacher_eps_mistake", "teacher_eps_skip", "teacher_eps_equal", "teacher_gamma"):
-        need_flag(args, name, lambda value: 0 <= value <= 1, "in [0, 1]")
-    need_flag(args, "surf_tau", lambda value: 0.5 < value < 1, "in (0.5, 1)")
-    need_flag(args, "qpa_hybrid_ratio", lambda value: 0 <= value <= 1, "in [0, 1]")
-    need(
-        args.reward_standardize or args.reward_standardize_center,
-        "--no-reward-standardize-center acts only with --reward-standardize: add --reward-standardize or drop it",
-    )
-    need_flag(args, "robust_label_epsilon", lambda value: 0 <= value < 0.5, "in [0, 0.5)")
-    need_flag(args, "rime_flip_tau", lambda value: 0 < value < 0.5, "in (0, 0.5)")
-    for name in ("rime_alpha", "rime_beta_min", "rime_warm_start_steps"):
-        need_flag(args, name, lambda value: value >= 0, ">= 0")
-    need_flag(args, "rime_beta_decay_epochs", lambda value: value >= 1, ">= 1")
-    need(
-        args.rime_beta_min <= args.rime_beta_max,
-        f"--rime-beta-min ({args.rime_beta_min}) must be <= --rime-beta-max ({args.rime_beta_max})",
-    )
-    need(
-        args.qpa_hybrid_ratio == 0 or args.qpa_query_episodes > 0,
-        f"--qpa-hybrid-ratio {args.qpa_hybrid_ratio} needs --qpa-query-episodes N (the episodes it replays), got 0",
-    )
-    need(
-        0 <= args.min_augmentation_offset <= args.max_augmentation_offset,
-        f"--min-augmentation-offset ({args.min_augmentation_offset}) must be >= 0 and <= --max-augmentation-offset ({args.max_augmentation_offset})",
-    )
-    need(
-        args.max_augmentation_offset < args.segment_length,
-        f"--max-augmentation-offset ({args.max_augmentation_offset}) must be smaller than --segment-length ({args.segment_length})",
-    )
-    need(
-        args.rune_beta >= 0 and 0 <= args.rune_beta_decay < 1,
-        f"--rune-beta must be >= 0 and --rune-beta-decay in [0, 1), got {args.rune_beta} and {args.rune_beta_decay}",
-    )
-    apply_objective(args)  # sets what the objective needs (e.g. no unhealthy termination), refuses what contradicts it
-    validate_feedback_args(args)
-    validate_checkpoint_args(args)
+    """RUNE: beta_t = beta_0 (1 - decay)^t, t the environment step"""
 
 
 @dataclass
-class FrozenRewardArgs:
-    """SAC on another run's learned reward, frozen: the middle run of bench/reward_gap.py's decomposition (sac_rlhf.py
-    only: PrefPPO learns on-policy, and has no such comparison to make)."""
+class Args(CheckpointArgs, FeedbackArgs, PreferenceArgs, SACArgs, PresetArgs):
+    """PEBBLE's settings: SAC's, preference learning's, the teacher's, checkpoints' and the --preset they start from."""
 
-    reward_model_from: str | None = None
-    """SAC on a frozen learned reward: load the reward model of another run's checkpoint (models/<run>/latest or its
-    checkpoint.pt; same env, same observation and action sizes) and train on it alone, never updating it and asking no
-    teacher (no feedback sessions; the label flags are ignored). Exploration is skipped: like sac.py, the run takes
-    --learning-starts random steps, then SAC learns from the first step's reward, so that it differs from sac.py in
-    the reward only (bench/reward_gap.py). Evaluations are on the true return, and log the model's reward_model/
-    metrics on this run's buffer"""
+    exp_name: str = "sac_rlhf"
+    """the name of this experiment (part of the run name)"""
 
-
-@dataclass
-class AgentResetArgs:
-    """Starting SAC afresh when a feedback session changes the learned reward a lot (sac_rlhf.py only: PrefPPO keeps
-    no replay buffer whose rewards a session could be compared on)."""
-
+    qpa_hybrid_ratio: float = 0.0
+    """QPA: this share of every SAC batch comes from the last --qpa-query-episodes episodes while sessions remain (QPA: 0.5)"""
     reset_agent_below_correlation: float = -1.0
-    """after each feedback session past the first, re-initialise the actor, the critics and the temperature (with
-    fresh optimisers) when the replay buffer's learned rewards after the session's relabel correlate (Pearson) below
-    this with the same transitions' rewards before it. An agent settled on what an early reward model paid for can
-    stay there once the model changes its mind (the primacy bias, Nikishin et al. 2022); a fresh one learns the new
-    reward from the whole buffer. Every session logs the correlation as feedback/reward_change_correlation and the
-    resets so far as feedback/agent_resets; -1 (default): never reset"""
-
-
-@dataclass
-class Args(AgentResetArgs, FrozenRewardArgs, CheckpointArgs, FeedbackArgs, PreferenceArgs, SACArgs, PresetArgs):
-    """PEBBLE's settings: SAC's, preference learning's, the teacher's (cleanrlhf_utils.feedback.FeedbackArgs),
-    checkpoints' (cleanrlhf_utils.checkpoints.CheckpointArgs), the --preset they start from (cleanrlhf_utils.presets), a
-    frozen reward's (FrozenRewardArgs) and when to start SAC afresh (AgentResetArgs)."""
-
-
-def validate_sac_args(args: SACArgs) -> None:
-    need(args.total_timesteps > 0, f"--total-timesteps must be positive, got {args.total_timesteps}")
-    need(args.learning_starts >= 1, f"--learning-starts must be >= 1, got {args.learning_starts}")
-    need(
-        args.evaluation_frequency >= 0 and args.evaluation_episodes >= 1,
-        f"--evaluation-frequency must be >= 0 and --evaluation-episodes >= 1, got {args.evaluation_frequency} and {args.evaluation_episodes}",
-    )
-    need(
-        not (args.capture_video and args.render_mode == "human"),
-        "--capture-video cannot be combined with --render-mode human (choose one)",
-    )
-    need(
-        not args.cudagraphs or (args.cuda and torch.cuda.is_available()),
-        "--cudagraphs needs a CUDA GPU, and torch sees none here (or --no-cuda was given): drop --cudagraphs",
-    )
-    check_env_id(args.env_id)
-
-
-def validate_args(args: Args) -> None:
-    validate_sac_args(args)
-    validate_preference_args(args)
-    need_flag(args, "reset_agent_below_correlation", lambda value: -1 <= value <= 1, "in [-1, 1] (-1: never reset)")
-    need(
-        args.explore_knn_sample_size >= args.explore_knn_k,
-        f"--explore-knn-sample-size must be >= --explore-knn-k ({args.explore_knn_k}), got {args.explore_knn_sample_size}",
-    )
-    if args.reward_model_from is not None:
-        checkpoint_file(args.reward_model_from, "--reward-model-from")
-        need_no_teacher(args, "--reward-model-from", "trains on a frozen reward")
-        need(not args.exploration_load, "--reward-model-from skips exploration: drop --exploration-load")
-        need(not args.reward_standardize, "--reward-standardize refits at feedback sessions, which a frozen reward has none of")
-        need(
-            args.reset_agent_below_correlation == -1.0,
-            "--reset-agent-below-correlation compares the rewards of feedback sessions, which a frozen reward has none of",
-        )
-    elif args.unsupervised_exploration:
-        need(
-            args.total_explore_steps >= args.learning_starts,
-            f"--total-explore-steps ({args.total_explore_steps}) must be >= --learning-starts ({args.learning_starts})",
-        )
+    """start SAC afresh after a session whose relabel correlates below this with the rewards before it (-1: never)"""
 
 
 def check_sac_actions(env_id: str, space: gym.Space) -> None:
@@ -468,15 +198,7 @@ def check_sac_actions(env_id: str, space: gym.Space) -> None:
     )
 
 
-def make_env(
-    env_id: str,
-    seed: int,
-    render_mode: str | None = None,
-    width: int = 320,
-    height: int = 240,
-    terminate_when_unhealthy: bool = True,
-    terminate_when_tilted: bool = True,
-):
+def make_env(env_id: str, seed: int, render_mode=None, width=320, height=240, terminate_when_unhealthy=True, terminate_when_tilted=True):
     """cleanrlhf_utils' environment, refused unless SAC can act in it."""
     return cleanrlhf_envs.make_env(
         env_id, seed, render_mode, width, height, terminate_when_unhealthy, check_sac_actions, terminate_when_tilted=terminate_when_tilted
@@ -484,34 +206,8 @@ def make_env(
 
 
 # ----------------------------------------------------------------------------------------
-# Networks. Ensembles (twin critics, reward members) are one batched network.
+# SAC. The twin critics are one 2-member batched network (cleanrlhf_utils.networks).
 # ----------------------------------------------------------------------------------------
-class EnsembleLinear(nn.Module):
-    """`members` independent linear layers evaluated with one batched matmul: (E, N, in) -> (E, N, out)."""
-
-    def __init__(self, members: int, in_features: int, out_features: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(members, in_features, out_features))
-        self.bias = nn.Parameter(torch.empty(members, 1, out_features))
-        bound = 1 / math.sqrt(in_features)  # nn.Linear's default initialisation, per member
-        nn.init.uniform_(self.weight, -bound, bound)
-        nn.init.uniform_(self.bias, -bound, bound)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.baddbmm(self.bias, x, self.weight)
-
-
-def ensemble_mlp(members: int, in_dim: int, hidden_dim: int, hidden_layers: int, out_dim: int, activation=nn.ReLU, dropout: float = 0.0):
-    layers, width = [], in_dim
-    for _ in range(hidden_layers):
-        layers += [EnsembleLinear(members, width, hidden_dim), activation()]
-        if dropout > 0:
-            layers.append(nn.Dropout(dropout))
-        width = hidden_dim
-    layers.append(EnsembleLinear(members, width, out_dim))
-    return nn.Sequential(*layers)
-
-
 class TwinQNetwork(nn.Module):
     """SAC's two critics as one 2-member batched network; returns Q values of shape (2, B)."""
 
@@ -670,35 +366,29 @@ class SACAgent:
             stats["alpha_loss"] = alpha_loss.detach()
         return stats
 
+    NETWORKS, OPTIMIZERS = ("actor", "qf", "qf_target"), ("actor_optimizer", "q_optimizer", "alpha_optimizer")
+
     def state_dict(self) -> dict:
-        state = {
-            "actor": self.actor.state_dict(),
-            "qf": self.qf.state_dict(),
-            "qf_target": self.qf_target.state_dict(),
-            "actor_optimizer": self.actor_optimizer.state_dict(),
-            "q_optimizer": self.q_optimizer.state_dict(),
-            "log_alpha": self.log_alpha.detach().clone(),
-        }
-        if self.args.autotune:
-            state["alpha_optimizer"] = self.alpha_optimizer.state_dict()
-        return state
+        parts = [*self.NETWORKS, *self.OPTIMIZERS[: 3 if self.args.autotune else 2]]
+        return {name: getattr(self, name).state_dict() for name in parts} | {"log_alpha": self.log_alpha.detach().clone()}
 
     def load_state_dict(self, state: dict) -> None:
-        self.actor.load_state_dict(state["actor"])
-        self.qf.load_state_dict(state["qf"])
-        self.qf_target.load_state_dict(state["qf_target"])
-        load_optimizer(self.actor_optimizer, state["actor_optimizer"])
-        load_optimizer(self.q_optimizer, state["q_optimizer"])
+        for name in self.NETWORKS:
+            getattr(self, name).load_state_dict(state[name])
+        for name in self.OPTIMIZERS[: 3 if self.args.autotune else 2]:
+            load_optimizer(getattr(self, name), state[name])
         with torch.no_grad():
             self.log_alpha.copy_(state["log_alpha"])
-        if self.args.autotune:
-            load_optimizer(self.alpha_optimizer, state["alpha_optimizer"])
 
 
 # ----------------------------------------------------------------------------------------
 # Preference learning (a deliberate copy in sac_rlhf.py and pref_ppo.py: tests/test_lockstep.py)
 # The reward model: an ensemble of MLPs on (obs, action), trained with Bradley-Terry
 # ----------------------------------------------------------------------------------------
+RELABEL_CHUNK = 1024
+"""transitions per forward pass when relabelling: 1024 keeps the activations in cache (bench/relabel.py)"""
+
+
 class RewardEnsemble(nn.Module):
     """r_e(s, a) for every member e in one batched network; outputs lie in (-1, 1) (tanh, as PEBBLE)."""
 
@@ -738,25 +428,15 @@ def bradley_terry_loss(returns: torch.Tensor, labels: torch.Tensor) -> torch.Ten
     return F.binary_cross_entropy_with_logits(returns[..., 1] - returns[..., 0], labels)
 
 
-def mistake_aware_loss(returns: torch.Tensor, labels: torch.Tensor, epsilon: float) -> torch.Tensor:
-    """bradley_terry_loss for a teacher that flips a share `epsilon` of its labels (--robust-labels smooth): the
-    label's likelihood is P = (1 - eps) sigmoid(R1 - R0) + eps sigmoid(R0 - R1), so that a pair the model is sure of
-    costs at most -ln(eps) when its label is wrong. epsilon = 0 is bradley_terry_loss itself."""
-    if epsilon == 0:
-        return bradley_terry_loss(returns, labels)
-    logits = returns[..., 1] - returns[..., 0]
-    floor, scale = math.log(epsilon), math.log1p(-2 * epsilon)  # P = eps + (1 - 2 eps) sigmoid, in log space
-    log_second = torch.logaddexp(torch.full_like(logits, floor), scale + F.logsigmoid(logits))
-    log_first = torch.logaddexp(torch.full_like(logits, floor), scale + F.logsigmoid(-logits))
-    return -(labels * log_second + (1 - labels) * log_first).mean()
-
-
 def preference_probabilities(model: RewardEnsemble, segments: torch.Tensor, masks: torch.Tensor, chunk: int = 10) -> torch.Tensor:
-    """P_e(segment 1 > segment 0) for each member: segments (N, 2, L, D), masks (N, 2, L) -> (E, N). Scored `chunk`
-    pairs at a time: a query pool in one pass held (E, N*2*L, hidden) activations, over 1 GB at 1000 pairs, and
-    about 1000 rows a pass is also the fastest (bench/relabel.py)."""
+    """P_e(segment 1 > segment 0) for each member: segments (N, 2, L, D), masks (N, 2, L) -> (E, N), in eval mode.
+    Scored `chunk` pairs at a time: a query pool in one pass held over 1 GB of activations at 1000 pairs, and about
+    1000 rows a pass is also the fastest (bench/relabel.py)."""
+    was_training = model.training
+    model.eval()
     with torch.no_grad():
         returns = torch.cat([(model(s) * m).sum(-1) for s, m in zip(segments.split(chunk), masks.split(chunk))], dim=1)
+    model.train(was_training)
     return torch.sigmoid(returns[..., 1] - returns[..., 0])
 
 
@@ -781,90 +461,18 @@ def predict_rewards(model: RewardEnsemble, x: torch.Tensor) -> tuple[torch.Tenso
     return rewards.mean(0), rewards.std(0, unbiased=False)
 
 
-def relabel_replay_buffer(model: RewardEnsemble, rb: ReplayBuffer, device: torch.device, chunk_size: int = 1024) -> None:
-    """Recompute learned reward (ensemble mean) and RUNE's std for every stored transition."""
-    for start in range(0, rb.size, chunk_size):
-        idx = np.arange(start, min(start + chunk_size, rb.size))
+def predict_reward_arrays(model: RewardEnsemble, device, obs_actions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """predict_rewards of an array of (obs, action) rows, as arrays."""
+    mean, std = predict_rewards(model, torch.as_tensor(obs_actions, device=device))
+    return mean.cpu().numpy(), std.cpu().numpy()
+
+
+def relabel_replay_buffer(model: RewardEnsemble, rb: ReplayBuffer, device: torch.device) -> None:
+    """Recompute the learned reward (ensemble mean) and RUNE's std of every stored transition."""
+    for start in range(0, rb.size, RELABEL_CHUNK):
+        idx = np.arange(start, min(start + RELABEL_CHUNK, rb.size))
         mean, std = predict_rewards(model, torch.as_tensor(rb.obs_actions(idx), device=device))
         rb.learned_rewards[idx], rb.reward_std[idx] = mean.cpu().numpy(), std.cpu().numpy()
-
-
-class RewardStandardizer:
-    """--reward-standardize: the learned reward in the scale the agent trains on, zero mean and unit std over the
-    replay buffer's rewards as the last relabel gave them (with `center` off, unit std only: the mean stays, divided
-    by the std). Refitted after every relabel; new transitions take the last fit until the next. Its two numbers are
-    checkpointed, so a resumed run standardises as the uninterrupted one."""
-
-    def __init__(self, center: bool = True):
-        self.center = center
-        self.mean, self.std = 0.0, 1.0
-
-    def refit(self, rb: ReplayBuffer) -> None:
-        """Fit to the buffer's freshly relabelled rewards (the model's own scale) and standardise them in place."""
-        rewards = rb.learned_rewards[: rb.size].astype(np.float64)
-        std = float(rewards.std())
-        self.mean = float(rewards.mean()) if self.center else 0.0
-        self.std = std if std > 1e-8 else 1.0  # a constant reward is not scaled
-        rb.learned_rewards[: rb.size], rb.reward_std[: rb.size] = self(rb.learned_rewards[: rb.size], rb.reward_std[: rb.size])
-
-    def __call__(self, mean: np.ndarray, std: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The ensemble's mean and std of r(s, a), as the model predicts them, in the standardised scale."""
-        return ((mean - self.mean) / self.std).astype(np.float32), (std / self.std).astype(np.float32)
-
-    def state_dict(self) -> dict:
-        return {"mean": self.mean, "std": self.std}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.mean, self.std = float(state["mean"]), float(state["std"])
-
-
-def judged_rewards(rb: ReplayBuffer, objective: Objective | None) -> np.ndarray:
-    """The per-step reward the teacher judges by, for every slot of the replay buffer: the env's, or with
-    --teacher-objective the objective's (each step alone, as sac.py --reward-objective trains on it; in human mode the
-    intent the people are measured against). The reward model's accuracy and correlations are measured against it: a
-    backflip's labels say nothing of Hopper's forward reward, and the windmill's is 0 everywhere."""
-    if objective is None:
-        return rb.true_rewards
-    judged = np.zeros_like(rb.true_rewards)
-    judged[: rb.size] = step_rewards(objective, rb.obs[: rb.size], rb.actions[: rb.size], rb.physics_states[: rb.size])
-    return judged
-
-
-def reward_correlation(rb: ReplayBuffer, recent: int = 10_000, truth: np.ndarray | None = None) -> float:
-    """Pearson correlation of learned and true reward (`truth`, per buffer slot: judged_rewards; default the env's)
-    over the most recent transitions."""
-    n = min(recent, rb.size)
-    idx = (rb.pos - 1 - np.arange(n)) % rb.capacity
-    learned, true = rb.learned_rewards[idx], (rb.true_rewards if truth is None else truth)[idx]
-    if n < 2 or learned.std() == 0 or true.std() == 0:
-        return float("nan")
-    return float(np.corrcoef(learned, true)[0, 1])
-
-
-def segment_correlation(rb: ReplayBuffer, pairs: int, length: int, rng: np.random.Generator, truth: np.ndarray | None = None) -> float:
-    """Pearson correlation of learned and true returns of 2 x `pairs` random segments of `length` steps, drawn from the
-    whole replay buffer as query pairs are: what the labels constrain, where reward_correlation compares single steps.
-    A model that ranks segments well can still spread the reward over the steps inside them in another shape."""
-    if rb.size < 2:
-        return float("nan")
-    idx, mask = rb.sample_segment_pairs(pairs, length, rng)
-    true_rewards = rb.true_rewards if truth is None else truth
-    learned, true = ((rb.learned_rewards[idx] * mask).sum(-1).ravel(), (true_rewards[idx] * mask).sum(-1).ravel())
-    if learned.std() == 0 or true.std() == 0:
-        return float("nan")
-    return float(np.corrcoef(learned, true)[0, 1])
-
-
-def reward_scale(rb: ReplayBuffer, truth: np.ndarray | None = None) -> dict:
-    """Mean and std of the learned reward over the replay buffer as the agent trains on it (after --reward-standardize,
-    0 and 1), and of the true reward: the scale SAC's temperature alpha weighs the policy's entropy against."""
-    learned, true = rb.learned_rewards[: rb.size], (rb.true_rewards if truth is None else truth)[: rb.size]
-    if rb.size == 0:
-        return dict.fromkeys(("learned_reward_mean", "learned_reward_std", "true_reward_mean", "true_reward_std"), float("nan"))
-    return {
-        "learned_reward_mean": float(learned.mean()), "learned_reward_std": float(learned.std()),
-        "true_reward_mean": float(true.mean()), "true_reward_std": float(true.std()),
-    }  # fmt: skip
 
 
 # --- Preference buffer: the labelled segments themselves, never indices into the replay buffer ---
@@ -884,11 +492,8 @@ class PreferenceBuffer:
         return len(self.labels)
 
     def add(self, obs_actions, masks, true_rewards, physics_states, labels, heldout, global_step: int) -> None:
-        new = {
-            "obs_actions": obs_actions, "masks": masks, "true_rewards": true_rewards, "physics_states": physics_states,
-            "labels": labels, "heldout": heldout, "global_steps": np.full(len(labels), global_step, dtype=np.int64),
-        }  # fmt: skip
-        for name, values in new.items():
+        steps = np.full(len(labels), global_step, dtype=np.int64)
+        for name, values in zip(self.FIELDS, (obs_actions, masks, true_rewards, physics_states, labels, heldout, steps), strict=True):
             setattr(self, name, np.concatenate([getattr(self, name), values.astype(getattr(self, name).dtype)]))
 
     def split(self, heldout: bool) -> np.ndarray:
@@ -907,8 +512,6 @@ def preference_accuracy(model: RewardEnsemble, prefs: PreferenceBuffer, indices:
     indices = indices[prefs.labels[indices] != 0.5]
     if len(indices) == 0:
         return float("nan")
-    was_training = model.training
-    model.eval()
     correct = 0
     for start in range(0, len(indices), chunk):
         batch = indices[start : start + chunk]
@@ -916,33 +519,22 @@ def preference_accuracy(model: RewardEnsemble, prefs: PreferenceBuffer, indices:
         masks = torch.as_tensor(prefs.masks[batch], device=device, dtype=torch.float32)
         probs = preference_probabilities(model, segs, masks).mean(0).cpu().numpy()
         correct += int(((probs > 0.5) == (prefs.labels[batch] > 0.5)).sum())
-    model.train(was_training)
     return correct / len(indices)
 
 
 # --- Query selection: uniform, disagreement, entropy ---
 def select_queries(
-    strategy: str,
-    model: RewardEnsemble,
-    rb: ReplayBuffer,
-    num_queries: int,
-    segment_length: int,
-    pool_factor: int,
-    rng: np.random.Generator,
-    device,
-    recent_episodes: int = 0,
-) -> tuple[np.ndarray, np.ndarray]:
-    """Indices (num_queries, 2, L) and masks of the pairs to ask about, from the last `recent_episodes` episodes
-    only when it is set (QPA)."""
+    strategy: str, model, rb: ReplayBuffer, num_queries: int, segment_length: int, pool_factor: int, rng, device, recent_episodes=0
+):
+    """Indices (num_queries, 2, L) and masks of the pairs to ask about: `num_queries` of a pool `pool_factor` times as
+    large with the highest disagreement or entropy (or simply drawn, `uniform`); from the last `recent_episodes`
+    episodes only when it is set (QPA)."""
     pool = num_queries if strategy == "uniform" else num_queries * pool_factor
     idx, mask = rb.sample_segment_pairs(pool, segment_length, rng, recent_episodes)
     if strategy == "uniform":
         return idx, mask
-    was_training = model.training
-    model.eval()
     segments = torch.as_tensor(rb.obs_actions(idx), device=device)
     probs = preference_probabilities(model, segments, torch.as_tensor(mask, device=device, dtype=torch.float32))
-    model.train(was_training)
     scores = disagreement_scores(probs) if strategy == "disagree" else entropy_scores(probs)
     top = torch.topk(scores, num_queries).indices.cpu().numpy()
     return idx[top], mask[top]
@@ -959,103 +551,6 @@ def session_pairs(number: int, schedule: list[int], model: RewardEnsemble, rb: R
     return rb.gather_segments(idx, mask)
 
 
-# --- Teachers: synthetic (B-Pref, Lee et al. 2021), people in the browser, or an earlier run's labels ---
-class SyntheticTeacher(Teacher):
-    """Labels pairs from the true reward, with B-Pref's irrationalities. Its own seeded RNG. With a replay
-    buffer, the skip and tie thresholds follow its average true reward, as B-Pref's do. With an `objective`
-    (--teacher-objective), the objective's rewards of the pairs replace the true reward, thresholds following
-    their average over the session's segments."""
-
-    labels_are_free = True  # held-out accuracy is measured on fresh pairs, not on labels of the budget
-
-    def __init__(
-        self,
-        beta: float,
-        gamma: float,
-        eps_mistake: float,
-        eps_skip: float,
-        eps_equal: float,
-        seed: int,
-        rb: ReplayBuffer | None = None,
-        objective: Objective | None = None,
-    ):
-        self.objective = objective
-        self.beta, self.gamma = beta, gamma
-        self.eps_mistake, self.eps_skip, self.eps_equal = eps_mistake, eps_skip, eps_equal
-        self.rng = np.random.default_rng(seed)
-        self.threshold_skip = self.threshold_equal = 0.0
-        self.rb = rb
-
-    def set_margin(self, average_segment_return: float) -> None:
-        """Thresholds are fractions of the average true return of a segment (segment length x mean reward)."""
-        self.threshold_skip = self.eps_skip * average_segment_return
-        self.threshold_equal = self.eps_equal * average_segment_return
-
-    def label(self, segments: dict, session: int) -> tuple[np.ndarray, list[str]]:
-        if self.objective is not None:  # one vectorised call over the session's segments
-            true_rewards = segment_rewards(self.objective, segments, self.rb.obs.shape[-1])
-            self.set_margin(true_rewards.shape[-1] * float(true_rewards.sum() / max(1, segments["masks"].sum())))
-            return self.label_true_rewards(true_rewards), ["synthetic"] * len(true_rewards)
-        true_rewards = segments["true_rewards"]
-        if self.rb is not None:
-            self.set_margin(true_rewards.shape[-1] * float(self.rb.true_rewards[: self.rb.size].mean()))
-        return self.label_true_rewards(true_rewards), ["synthetic"] * len(true_rewards)
-
-    def label_true_rewards(self, true_rewards: np.ndarray) -> np.ndarray:
-        """true_rewards (N, 2, L), zero on masked steps -> labels (N,): 1 = segment 1 preferred,
-        0 = segment 0, 0.5 = tie, nan = skipped."""
-        returns = true_rewards.sum(-1)
-        length = true_rewards.shape[-1]
-        weights = self.gamma ** np.arange(length - 1, -1, -1)  # the last step weighs most
-        discounted = (true_rewards * weights).sum(-1)
-        diff = discounted[:, 1] - discounted[:, 0]
-        if self.beta >= 0:
-            p_second = 1.0 / (1.0 + np.exp(-self.beta * diff))
-            labels = (self.rng.random(len(diff)) < p_second).astype(np.float32)
-        else:  # a perfect teacher prefers neither of two segments worth the same: a tie, not "the first one"
-            labels = np.where(diff == 0, 0.5, diff > 0).astype(np.float32)
-        flip = self.rng.random(len(labels)) < self.eps_mistake
-        labels[flip] = 1.0 - labels[flip]
-        if self.eps_equal > 0:
-            labels[np.abs(returns[:, 1] - returns[:, 0]) < self.threshold_equal] = 0.5
-        if self.eps_skip > 0:
-            labels[returns.max(1) < self.threshold_skip] = np.nan
-        return labels
-
-    def state_dict(self) -> dict:
-        return {"rng": self.rng.bit_generator.state}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.rng.bit_generator.state = state["rng"]
-
-
-def make_teacher(args: Args, rb: ReplayBuffer, run_name: str, run_dir: Path, video_dir: Path):
-    """The one place the feedback mode is read. Every teacher answers label(segments, session) -> (labels,
-    annotators) and has state_dict/load_state_dict (for checkpoints) and close. --teacher-objective is checked on
-    the run's shapes here; only the synthetic teacher labels by it (people and a file are only measured by it)."""
-    objective = load_objective(args.teacher_objective)
-    if objective is not None:
-        check_objective(objective, rb.obs.shape[-1], rb.actions.shape[-1], rb.physics_states.shape[-1])
-    if args.teacher_feedback_mode == "human":  # people's answers are only measured against the objective
-        measure = None if objective is None else lambda segments: segment_rewards(objective, segments, rb.obs.shape[-1]).sum(-1)
-        return connect_human_teacher(args, run_name, run_dir, video_dir / "clips", measure)
-    if args.teacher_feedback_mode == "file":
-        return FileTeacher(args.feedback_file)
-    eps = (args.teacher_eps_mistake, args.teacher_eps_skip, args.teacher_eps_equal)
-    return SyntheticTeacher(args.teacher_beta, args.teacher_gamma, *eps, seed=args.seed + 1, rb=rb, objective=objective)
-
-
-def show_reward_model(teacher, model: RewardEnsemble, rb: ReplayBuffer, args: Args, rng: np.random.Generator, device, step: int) -> None:
-    """Human mode: a few clips with the reward model's predicted return, which people see ranked on the page's
-    reward view and can compare with their own ranking."""
-    if not teacher.people_answer or args.feedback_check_clips == 0:
-        return
-    idx, mask = rb.sample_segment_pairs(args.feedback_check_clips, args.segment_length, rng)
-    idx, mask = idx[:, 0], mask[:, 0]
-    mean, _ = predict_rewards(model, torch.as_tensor(rb.obs_actions(idx), device=device))
-    teacher.show_reward_check(rb.physics_states[idx], mask, (mean.cpu().numpy() * mask).sum(-1), step)
-
-
 # --- Feedback schedule ---
 def feedback_schedule(total_queries: int, queries_per_session: int, kind: str, decay: float = 0.8) -> list[int]:
     """Queries per session; the counts add up to total_queries exactly (largest-remainder rounding)."""
@@ -1070,183 +565,64 @@ def feedback_schedule(total_queries: int, queries_per_session: int, kind: str, d
     return [int(c) for c in counts if c > 0]
 
 
-# --- Noisy teachers: RIME's sample selection and warm start (Cheng et al. 2024) ---
-class LabelFilter:
-    """RIME's selection of the labels an epoch trains on (--robust-labels rime), with the state it carries across
-    epochs and sessions. A label whose loss under the ensemble-mean preference is below the trust threshold
-    -ln(rho) + alpha rho + min(beta_t s, 3) trains as given (RIME bounds a corrupted label's loss from below by
-    -ln(rho) + rho / 2, rho the largest loss of a clean one); one whose loss is above -ln(tau) (the ensemble gives it
-    a probability below tau) trains flipped; the rest sit the epoch out. rho and s are running estimates (rate 0.1)
-    of the maximum and std of the trusted labels' loss; beta_t falls linearly with the epochs, so that the threshold
-    is lenient while the model is young. rho starts at 0: the first epoch trusts every label it does not flip."""
-
-    RATE = 0.1  # of the running estimates, as RIME's
-    UNCERTAINTY_CAP = 3.0  # of beta_t s, as RIME's code
-
-    def __init__(self):
-        self.loss_max, self.loss_std, self.epochs, self.warm_started = 0.0, 0.0, 0, False
-
-    def thresholds(self, args: Args) -> tuple[float, float]:
-        """(trust below, flip above) for the next selection."""
-        progress = min(1.0, self.epochs / args.rime_beta_decay_epochs)
-        beta = args.rime_beta_max + (args.rime_beta_min - args.rime_beta_max) * progress
-        uncertainty = min(beta * self.loss_std, self.UNCERTAINTY_CAP)
-        return -math.log(self.loss_max + 1e-8) + args.rime_alpha * self.loss_max + uncertainty, -math.log(args.rime_flip_tau)
-
-    def select(self, probabilities: torch.Tensor, labels: torch.Tensor, args: Args) -> tuple[torch.Tensor, torch.Tensor]:
-        """Masks (trusted, flipped) of the labels (N,) given the ensemble-mean P(segment 1 > segment 0) (N,) of their
-        pairs; updates the running estimates with the trusted labels' losses and counts the epoch."""
-        losses = F.binary_cross_entropy(probabilities.clamp(1e-7, 1 - 1e-7), labels, reduction="none")
-        trust_below, flip_above = self.thresholds(args)
-        flipped = losses > flip_above
-        trusted = (losses < trust_below) & ~flipped
-        if trusted.any():
-            kept = losses[trusted]
-            self.loss_max += self.RATE * (float(kept.max()) - self.loss_max)
-            self.loss_std += self.RATE * (float(kept.std(unbiased=False)) - self.loss_std)
-        self.epochs += 1
-        return trusted, flipped
-
-    def state_dict(self) -> dict:
-        return {"loss_max": self.loss_max, "loss_std": self.loss_std, "epochs": self.epochs, "warm_started": self.warm_started}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.loss_max, self.loss_std, self.epochs = float(state["loss_max"]), float(state["loss_std"]), int(state["epochs"])
-        self.warm_started = bool(state["warm_started"])
-
-
-def mean_preference(model: RewardEnsemble, segments: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
-    """Ensemble-mean P(segment 1 > segment 0) of pairs (N, 2, L, D), in eval mode: (N,)."""
-    was_training = model.training
-    model.eval()
-    probabilities = preference_probabilities(model, segments, masks).mean(0)
-    model.train(was_training)
-    return probabilities
-
-
-def warm_start_reward_model(
-    model: RewardEnsemble, optimizer, rb: ReplayBuffer, args: Args, rng: np.random.Generator, device, batch_size: int = 256
-) -> float:
-    """RIME's warm start: before the first labels train it, every member fits (mean squared error) the exploration
-    reward of up to 10,000 of the replay buffer's transitions, the k-NN state entropy of the state each reaches (as
-    PEBBLE's exploration rewards it), standardised and scaled into [-1, 1], the model's range. The first selection
-    then meets a model whose scale and features come from the data instead of a random one. Returns the last loss."""
-    if args.rime_warm_start_steps == 0 or rb is None or rb.size < 2:
-        return float("nan")
-    rows = rb.sample_indices(min(rb.size, 10_000), rng)
-    reference = torch.as_tensor(rb.next_obs[rb.sample_indices(min(args.explore_knn_sample_size, rb.size), rng)], device=device)
-    states, k = torch.as_tensor(rb.next_obs[rows], device=device), min(args.explore_knn_k, len(reference))
-    entropy = torch.cat([knn_state_entropy(chunk, reference, k) for chunk in states.split(4096)])
-    target = (entropy - entropy.mean()) / entropy.std().clamp_min(1e-8)
-    target = target / target.abs().max().clamp_min(1e-8)
-    inputs, ensemble = torch.as_tensor(rb.obs_actions(rows), device=device), model.ensemble_size
-    model.train()
-    for _ in range(args.rime_warm_start_steps):
-        batch = torch.as_tensor(rng.integers(0, len(rows), (ensemble, batch_size)), device=device)  # a batch per member
-        loss = F.mse_loss(model.forward_members(inputs[batch]), target[batch]) * ensemble  # sum over members
+# --- Reward-model training: Bradley-Terry, with SURF's temporal crops and pseudo-labels and QPA's extra crops ---
+def reward_epoch(
+    model: RewardEnsemble, optimizer, pairs: tuple, active: torch.Tensor, rb: ReplayBuffer, args, rng, device, loss_fn=bradley_terry_loss
+) -> dict:
+    """One epoch over the labelled pairs (segments, masks, labels) at `active`: every member sees its own shuffle, each
+    pair once plus --qpa-augmentations cropped copies (all copies cropped with SURF), with SURF's pseudo-label loss."""
+    all_segments, all_masks, all_labels = pairs
+    ensemble, labelled, copies = model.ensemble_size, len(active), 1 + args.qpa_augmentations
+    order = torch.argsort(torch.rand(ensemble, labelled * copies), dim=1)  # entries >= labelled are augmented copies
+    losses, ssl_losses, pseudo = [], [], 0
+    for start in range(0, labelled * copies, args.reward_net_batch_size):
+        batch = order[:, start : start + args.reward_net_batch_size]  # (E, b)
+        chosen = active[batch % labelled]
+        segments, masks, labels = all_segments[chosen], all_masks[chosen], all_labels[chosen]
+        cropped = batch >= labelled
+        if args.surf:  # every copy cropped: cut the crops out, the steps outside them are not computed
+            segments, masks = crop_segments(segments, masks, args.min_augmentation_offset, args.max_augmentation_offset)
+        elif cropped.any():  # only QPA's copies: mask them, their batch mixes with whole segments
+            crops = temporal_crop_masks(masks.shape[:-1], args.segment_length, args.min_augmentation_offset, args.max_augmentation_offset)
+            masks = torch.where(cropped[..., None, None].to(device), masks * crops.to(device), masks)
+        returns = (model.forward_members(segments) * masks).sum(-1)  # (E, b, 2)
+        loss = loss_fn(returns, labels) * ensemble  # summed over members
+        if args.surf and args.unlabeled_batch_ratio > 0:
+            ssl_loss, confident = surf_loss(model, rb, batch.shape[1] * args.unlabeled_batch_ratio, args, rng, device)
+            loss = loss + args.lambda_ssl * ssl_loss
+            ssl_losses.append(ssl_loss.item())
+            pseudo += confident
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-    return loss.item() / ensemble
+        losses.append(loss.item() / ensemble)
+    ssl = float(np.mean(ssl_losses)) if ssl_losses else 0.0
+    return {"train_loss": float(np.mean(losses)), "ssl_loss": ssl, "pseudo_labels": pseudo, "steps": len(losses)}
 
 
-def teacher_mistakes(prefs: PreferenceBuffer, indices: np.ndarray, objective: Objective | None, obs_dim: int) -> np.ndarray:
-    """Which labels of the pairs at `indices` (N,) contradict the reward the teacher judges by (judged_rewards: the
-    env's, or --teacher-objective's): a decided label for the segment with the lower return. A tie, given or true, is
-    no mistake. What rime's selection is measured against: with the synthetic teacher, exactly its noise."""
-    pairs = {name: getattr(prefs, name)[indices] for name in ("obs_actions", "physics_states", "masks")}
-    rewards = prefs.true_rewards[indices] if objective is None else segment_rewards(objective, pairs, obs_dim)
-    returns = (rewards * pairs["masks"]).sum(-1)
-    return np.sign(prefs.labels[indices] - 0.5) * np.sign(returns[:, 1] - returns[:, 0]) < 0
-
-
-# --- Reward-model training (Bradley-Terry), with SURF's temporal crops and pseudo-labels ---
 def train_reward_model(
-    model: RewardEnsemble,
-    optimizer,
-    prefs: PreferenceBuffer,
-    rb: ReplayBuffer,
-    args: Args,
-    rng: np.random.Generator,
-    device,
-    label_filter: LabelFilter | None = None,
+    model: RewardEnsemble, optimizer, prefs: PreferenceBuffer, rb: ReplayBuffer, args, rng, device, loss_fn=bradley_terry_loss
 ) -> dict:
-    """Fits the ensemble on the training split; every member sees its own shuffle of the labels, each label once per
-    epoch plus --qpa-augmentations randomly cropped copies (all copies cropped with SURF). --robust-labels smooth
-    trains with mistake_aware_loss; rime (with `label_filter`, its state across sessions) warm-starts the model at
-    the first call, then trains every epoch on the labels the filter trusts or flips, and stops on the accuracy on
-    those; the shares of the last epoch's selection come back in the stats, with the share of the labels the teacher
-    got wrong (labels_wrong) and within each share (labels_flipped_wrong, ...: teacher_mistakes)."""
+    """Fits the ensemble to the training split of the labels, epoch after epoch (reward_epoch), until its accuracy on
+    them reaches --reward-net-target-accuracy or --reward-net-epochs have run. Returns the last epoch's figures."""
     train_idx = prefs.split(heldout=False)
     stats = {"train_loss": float("nan"), "ssl_loss": 0.0, "pseudo_labels": 0, "epochs": 0, "steps": 0}
     if len(train_idx) == 0:
         return stats
     if args.reward_net_normalize_inputs:  # the statistics of all data so far, as the queries were drawn from it
         model.set_input_statistics(rb.obs_actions(slice(0, rb.size)))
-    ensemble, length = model.ensemble_size, args.segment_length
-    all_segments = torch.as_tensor(prefs.obs_actions[train_idx], device=device)
-    all_masks = torch.as_tensor(prefs.masks[train_idx], device=device, dtype=torch.float32)
-    all_labels = given_labels = torch.as_tensor(prefs.labels[train_idx], device=device)
-    rime = args.robust_labels == "rime" and label_filter is not None
-    if rime:
-        mistakes = teacher_mistakes(prefs, train_idx, load_objective(args.teacher_objective), rb.obs.shape[-1])
-        mistakes = torch.as_tensor(mistakes, device=device)
-        stats["labels_wrong"] = float(mistakes.float().mean())
-    if rime and not label_filter.warm_started:
-        stats["warm_start_loss"] = warm_start_reward_model(model, optimizer, rb, args, rng, device)
-        label_filter.warm_started = True
+    pairs = (
+        torch.as_tensor(prefs.obs_actions[train_idx], device=device),
+        torch.as_tensor(prefs.masks[train_idx], device=device, dtype=torch.float32),
+        torch.as_tensor(prefs.labels[train_idx], device=device),
+    )
     model.train()
-    labelled, copies, active = len(train_idx), 1 + args.qpa_augmentations, torch.arange(len(train_idx))
     for epoch in range(args.reward_net_epochs):
-        if rime:  # this epoch's labels: the trusted as given, the flipped flipped, the rest left out
-            if epoch == 0:
-                probabilities = mean_preference(model, all_segments, all_masks)
-            trusted, flipped = label_filter.select(probabilities, given_labels, args)
-            all_labels = torch.where(flipped, 1 - given_labels, given_labels)
-            active, labelled = torch.nonzero(trusted | flipped).flatten().cpu(), int((trusted | flipped).sum())
-            shares = {"trusted": trusted, "flipped": flipped, "dropped": ~(trusted | flipped)}
-            stats |= {f"labels_{name}": float(mask.float().mean()) for name, mask in shares.items()}
-            # and how many of each the teacher got wrong (NaN for none): a flip should fix a mistake, a trust keep a truth
-            stats |= {f"labels_{name}_wrong": float(mistakes[mask].float().mean()) for name, mask in shares.items()}
-            if labelled == 0:
-                break
-        order = torch.argsort(torch.rand(ensemble, labelled * copies), dim=1)  # entries >= labelled are augmented copies
-        losses, ssl_losses = [], []
-        for start in range(0, labelled * copies, args.reward_net_batch_size):
-            batch = order[:, start : start + args.reward_net_batch_size]  # (E, b)
-            pairs = active[batch % labelled]
-            segments, masks, labels = all_segments[pairs], all_masks[pairs], all_labels[pairs]
-            cropped = batch >= labelled
-            if args.surf:  # every copy cropped: cut the crops out, the steps outside them are not computed
-                segments, masks = crop_segments(segments, masks, args.min_augmentation_offset, args.max_augmentation_offset)
-            elif cropped.any():  # only QPA's copies: mask them, their batch mixes with whole segments
-                crops = temporal_crop_masks(masks.shape[:-1], length, args.min_augmentation_offset, args.max_augmentation_offset)
-                masks = torch.where(cropped[..., None, None].to(device), masks * crops.to(device), masks)
-            returns = (model.forward_members(segments) * masks).sum(-1)  # (E, b, 2)
-            if args.robust_labels == "smooth":
-                loss = mistake_aware_loss(returns, labels, args.robust_label_epsilon) * ensemble  # sum over members
-            else:
-                loss = bradley_terry_loss(returns, labels) * ensemble  # sum over members
-            if args.surf and args.unlabeled_batch_ratio > 0:
-                ssl_loss, confident_count = surf_loss(model, rb, batch.shape[1] * args.unlabeled_batch_ratio, args, rng, device)
-                loss = loss + args.lambda_ssl * ssl_loss
-                ssl_losses.append(ssl_loss.item())
-                stats["pseudo_labels"] += confident_count
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            losses.append(loss.item() / ensemble)
-            stats["steps"] += 1
-        stats["train_loss"], stats["epochs"] = float(np.mean(losses)), epoch + 1
-        stats["ssl_loss"] = float(np.mean(ssl_losses)) if ssl_losses else 0.0
+        epoch_stats = reward_epoch(model, optimizer, pairs, torch.arange(len(train_idx)), rb, args, rng, device, loss_fn)
+        totals = {name: stats[name] + epoch_stats[name] for name in ("pseudo_labels", "steps")}
+        stats |= epoch_stats | totals | {"epochs": epoch + 1}
         # Stop on the accuracy of the whole, uncropped training split: cropped-batch accuracy stops too early.
-        if rime:  # on the labels the epoch trained on, as it trained on them; the probabilities select the next epoch's
-            probabilities = mean_preference(model, all_segments, all_masks)
-            decided = active[(given_labels[active] != 0.5).cpu()]
-            agree = (probabilities[decided] > 0.5) == (all_labels[decided] > 0.5)
-            if len(decided) and float(agree.float().mean()) >= args.reward_net_target_accuracy:
-                break
-        elif preference_accuracy(model, prefs, train_idx, device) >= args.reward_net_target_accuracy:
+        if preference_accuracy(model, prefs, train_idx, device) >= args.reward_net_target_accuracy:
             break
     model.train()
     return stats
@@ -1282,13 +658,9 @@ def pseudo_labels(probabilities: torch.Tensor, tau: float) -> tuple[torch.Tensor
     return (mean > 0.5).float(), confident
 
 
-def surf_loss(
-    model: RewardEnsemble, rb: ReplayBuffer, num_pairs: int, args: Args, rng: np.random.Generator, device
-) -> tuple[torch.Tensor, int]:
+def surf_loss(model: RewardEnsemble, rb: ReplayBuffer, num_pairs: int, args, rng: np.random.Generator, device) -> tuple[torch.Tensor, int]:
     """Pseudo-label loss on cropped unlabelled pairs whose ensemble-mean preference is beyond tau."""
-    idx, mask = select_queries(
-        args.surf_sampling_strategy, model, rb, num_pairs, args.segment_length, args.preference_sampling_pool_factor, rng, device
-    )
+    idx, mask = rb.sample_segment_pairs(num_pairs, args.segment_length, rng)  # uniform, as SURF's
     segments, masks = torch.as_tensor(rb.obs_actions(idx), device=device), torch.as_tensor(mask, device=device, dtype=torch.float32)
     segments, masks = crop_segments(segments, masks, args.min_augmentation_offset, args.max_augmentation_offset)
     with torch.no_grad():  # find the confident pairs first: only they take part in the backward pass
@@ -1302,47 +674,15 @@ def surf_loss(
     return loss, int(confident.sum())
 
 
-def fresh_pair_accuracy(
-    model: RewardEnsemble, rb: ReplayBuffer, num_pairs: int, length: int, rng: np.random.Generator, device, truth: np.ndarray | None = None
-) -> float:
-    """Agreement of the ensemble-mean preference with the true reward (`truth`: judged_rewards; default the env's) on
-    fresh random pairs of the replay buffer (ties left out): how well the model generalises, without spending a label."""
-    idx, mask = rb.sample_segment_pairs(num_pairs, length, rng)
-    returns = ((rb.true_rewards if truth is None else truth)[idx] * mask).sum(-1)
-    decided = returns[:, 0] != returns[:, 1]
-    if not decided.any():
-        return float("nan")
-    was_training = model.training
-    model.eval()
-    segments = torch.as_tensor(rb.obs_actions(idx[decided]), device=device)
-    probs = preference_probabilities(model, segments, torch.as_tensor(mask[decided], device=device, dtype=torch.float32)).mean(0)
-    model.train(was_training)
-    return float(((probs.cpu().numpy() > 0.5) == (returns[decided, 1] > returns[decided, 0])).mean())
-
-
-def reward_model_metrics(
-    model: RewardEnsemble, prefs: PreferenceBuffer, rb: ReplayBuffer, args: Args, fresh: bool, step: int, device
-) -> dict:
-    """Agreement with the labels trained on and the held-out ones (with `fresh`: fresh oracle-labelled pairs instead),
-    correlation with the true reward per step and per segment, and the scale of both rewards (reward_scale), the true
-    reward being the one the teacher judges by (judged_rewards: --teacher-objective's where one is given). Fresh
-    pairs and the segments draw from their own generators, seeded by the step, so that measuring leaves the run's
-    random numbers alone."""
-    truth = judged_rewards(rb, load_objective(args.teacher_objective))
-    if fresh:
-        rng = np.random.default_rng((args.seed, step))
-        heldout = fresh_pair_accuracy(model, rb, args.heldout_fresh_pairs, args.segment_length, rng, device, truth)
-    else:
-        heldout = preference_accuracy(model, prefs, prefs.split(True), device)
-    return {
-        "train_accuracy": preference_accuracy(model, prefs, prefs.split(False), device),
-        "heldout_accuracy": heldout,
-        "reward_correlation": reward_correlation(rb, truth=truth),
-        "segment_correlation": segment_correlation(
-            rb, args.heldout_fresh_pairs, args.segment_length, np.random.default_rng((args.seed, step, 1)), truth
-        ),
-        **reward_scale(rb, truth),
-    }
+def reward_model_metrics(model: RewardEnsemble, prefs: PreferenceBuffer, rb: ReplayBuffer, args, fresh: bool, step: int, device) -> dict:
+    """Accuracy on the labels trained on and on held-out ones (with `fresh`: on fresh pairs labelled by the reward the
+    teacher judges by, which cost no label), and the learned reward against that reward (cleanrlhf_utils.diagnostics)."""
+    probabilities = functools.partial(preference_probabilities, model)
+    objective, seed = load_objective(args.teacher_objective), (args.seed, step)
+    measured = reward_diagnostics(rb, objective, probabilities, args.segment_length, seed, fresh, device)
+    if not fresh:
+        measured["heldout_accuracy"] = preference_accuracy(model, prefs, prefs.split(True), device)
+    return {"train_accuracy": preference_accuracy(model, prefs, prefs.split(False), device)} | measured
 
 
 # --- Unsupervised exploration: PEBBLE's k-NN state-entropy reward; RUNE's exploration bonus ---
@@ -1369,6 +709,69 @@ def rune_beta(beta0: float, decay: float, step: int) -> float:
 
 
 # ----------------------------------------------------------------------------------------
+# Settings checks: every value is checked before anything is built or written
+# ----------------------------------------------------------------------------------------
+PREFERENCE_RANGES = {
+    "total_explore_steps": ">= 0", "explore_knn_k": ">= 1", "reward_ensemble_size": ">= 1",
+    "reward_net_heldout_fraction": "in [0, 1)", "teacher_feedback_total_queries": ">= 0",
+    "teacher_feedback_num_queries_per_session": ">= 1", "teacher_feedback_exponential_decay": "in (0, 1]",
+    "teacher_feedback_frequency": ">= 1", "segment_length": ">= 2", "preference_sampling_pool_factor": ">= 1",
+    "unlabeled_batch_ratio": ">= 0", "surf_tau": "in (0.5, 1)",
+    "min_augmentation_offset": ">= 0", "qpa_query_episodes": ">= 0", "qpa_augmentations": ">= 0", "rune_beta": ">= 0",
+    "rune_beta_decay": "in [0, 1)",
+}  # fmt: skip
+
+
+def validate_preference_args(args) -> None:
+    """PreferenceArgs, the teacher's and the checkpoints' settings, and what --teacher-objective needs."""
+    check_ranges(args, PREFERENCE_RANGES)
+    need(
+        args.min_augmentation_offset <= args.max_augmentation_offset,
+        f"--min-augmentation-offset ({args.min_augmentation_offset}) must be >= 0 and <= --max-augmentation-offset ({args.max_augmentation_offset})",
+    )
+    need(
+        args.max_augmentation_offset < args.segment_length,
+        f"--max-augmentation-offset ({args.max_augmentation_offset}) must be smaller than --segment-length ({args.segment_length})",
+    )
+    need(
+        args.explore_knn_sample_size >= args.explore_knn_k,
+        f"--explore-knn-sample-size must be >= --explore-knn-k ({args.explore_knn_k}), got {args.explore_knn_sample_size}",
+    )
+    apply_objective(args)  # sets what the objective needs (e.g. no unhealthy termination), refuses what contradicts it
+    validate_feedback_args(args)
+    validate_checkpoint_args(args)
+
+
+SAC_RANGES = {
+    "total_timesteps": "> 0", "buffer_size": ">= 1", "learning_starts": ">= 1", "evaluation_frequency": ">= 0",
+    "evaluation_episodes": ">= 1",
+}  # fmt: skip
+
+
+def validate_sac_args(args: SACArgs) -> None:
+    check_ranges(args, SAC_RANGES)
+    need(
+        not args.cudagraphs or (args.cuda and torch.cuda.is_available()),
+        "--cudagraphs needs a CUDA GPU, and torch sees none here (or --no-cuda was given): drop --cudagraphs",
+    )
+    check_env_id(args.env_id)
+
+
+def validate_args(args: Args) -> None:
+    validate_sac_args(args)
+    validate_preference_args(args)
+    check_ranges(args, {"qpa_hybrid_ratio": "in [0, 1]", "reset_agent_below_correlation": "in [-1, 1]"})
+    need(
+        args.qpa_hybrid_ratio == 0 or args.qpa_query_episodes > 0,
+        f"--qpa-hybrid-ratio {args.qpa_hybrid_ratio} needs --qpa-query-episodes N (the episodes it replays), got 0",
+    )
+    need(
+        not args.unsupervised_exploration or args.total_explore_steps >= args.learning_starts,
+        f"--total-explore-steps ({args.total_explore_steps}) must be >= --learning-starts ({args.learning_starts})",
+    )
+
+
+# ----------------------------------------------------------------------------------------
 # PEBBLE
 # ----------------------------------------------------------------------------------------
 @dataclass
@@ -1387,25 +790,35 @@ class LoopState:
     agent_resets: int = 0  # --reset-agent-below-correlation: sessions after which SAC started afresh
 
 
-def rows_with_learned_reward(rb: ReplayBuffer, pending: PendingRewards) -> np.ndarray:
-    """Slots of the replay buffer whose learned reward has been predicted: all but the newest `pending.count`, which
-    wait for a batch to reach them (PendingRewards)."""
-    return np.setdiff1d(np.arange(rb.size), pending.waiting_rows(rb))
+def exploration_rewards(rb: ReplayBuffer, next_obs: torch.Tensor, intrinsic_rms: RunningMoments, args: Args, rng, device) -> torch.Tensor:
+    """PEBBLE's intrinsic reward of a batch: the distance from each reached state to its k-th nearest neighbour among a
+    random sample of the buffer's states, over the running std of those distances."""
+    reference = torch.as_tensor(rb.next_obs[rb.sample_indices(min(args.explore_knn_sample_size, rb.size), rng)], device=device)
+    intrinsic = knn_state_entropy(next_obs, reference, min(args.explore_knn_k, len(reference)))
+    intrinsic_rms.update(intrinsic)
+    return intrinsic / float(intrinsic_rms.std)
 
 
 def reward_change_correlation(before: np.ndarray, after: np.ndarray) -> float:
     """Pearson correlation of the same transitions' learned rewards before and after a session's relabel: near 1 when
-    the session refined the reward, low when it now pays for something else. Blind to the reward's scale and offset
-    (--reward-standardize changes neither). NaN when either side is constant: before the first session the buffer
-    holds no learned reward."""
+    the session refined the reward, low when it now pays for something else; NaN when either side is constant."""
     if before.size < 2 or before.std() == 0 or after.std() == 0:
         return float("nan")
     return float(np.corrcoef(before, after)[0, 1])
 
 
+def relabel(model: RewardEnsemble, rb: ReplayBuffer, pending: PendingRewards, device) -> float:
+    """relabel_replay_buffer; returns how the transitions that had a learned reward changed (reward_change_correlation)."""
+    known = np.setdiff1d(np.arange(rb.size), pending.waiting_rows(rb))
+    before = rb.learned_rewards[known]  # a copy (fancy indexing)
+    relabel_replay_buffer(model, rb, device)
+    pending.clear()
+    return reward_change_correlation(before, rb.learned_rewards[known])
+
+
 def reinitialise_agent(agent: SACAgent) -> None:
-    """--reset-agent-below-correlation: fresh actor and critics, the initial temperature, fresh optimisers. The actor's
-    layers are re-initialised in place, so a policy compiled from it (--compile) acts with the new weights."""
+    """A fresh actor and critics, the initial temperature, fresh optimisers. The actor's layers are re-initialised in
+    place, so a policy compiled from it (--compile) acts with the new weights."""
     for layer in agent.actor.modules():
         if isinstance(layer, nn.Linear):
             layer.reset_parameters()  # what nn.Linear's constructor does, as a fresh Actor gets
@@ -1417,285 +830,166 @@ def reinitialise_agent(agent: SACAgent) -> None:
         agent.alpha_optimizer = adam([agent.log_alpha], agent.args.q_lr, agent.args)
 
 
-def track_episode(loop: LoopState, reward: float, done: bool, writer, progress, step: int) -> None:
-    loop.episode_return += float(reward)
-    loop.episode_length += 1
-    if not done:
-        return
-    writer.add_scalar("charts/episodic_return", loop.episode_return, step)
-    writer.add_scalar("charts/episodic_length", loop.episode_length, step)
-    if progress is not None:
-        progress.set_postfix(
-            ret=f"{loop.episode_return:.0f}", eval=f"{loop.last_eval_return:.0f}", labels=loop.labels_obtained, refresh=False
-        )
-    loop.episode_id += 1
-    loop.episode_return, loop.episode_length = 0.0, 0
+def reset_after_session(agent: SACAgent, loop: LoopState, labels: int, reward_change: float, args: Args) -> None:
+    """PEBBLE resets the critic when the first labels end exploration: its values were of the intrinsic reward. Later,
+    with --reset-agent-below-correlation, a session that changed the reward a lot starts SAC afresh: an agent settled on
+    what an earlier reward paid for can stay there (the primacy bias, Nikishin et al. 2022)."""
+    if labels > 0 and not loop.learning_from_preferences:
+        agent.reset_critic()
+        loop.learning_from_preferences = True
+    elif loop.learning_from_preferences and reward_change < args.reset_agent_below_correlation:
+        reinitialise_agent(agent)
+        loop.agent_resets += 1
 
 
-def predict_reward_arrays(
-    model: RewardEnsemble, device, obs_actions: np.ndarray, standardizer: RewardStandardizer | None = None
-) -> tuple[np.ndarray, np.ndarray]:
-    """The learned reward (and RUNE's std) of new transitions, in the scale the agent trains on (--reward-standardize:
-    the `standardizer`'s)."""
-    mean, std = predict_rewards(model, torch.as_tensor(obs_actions, device=device))
-    mean, std = mean.cpu().numpy(), std.cpu().numpy()
-    return (mean, std) if standardizer is None else standardizer(mean, std)
+def sample_batch(rb: ReplayBuffer, rng, args: Args, loop: LoopState, hybrid: bool, recent_slots: np.ndarray | None):
+    """A batch's slots, with QPA's hybrid replay (`hybrid`): --qpa-hybrid-ratio of them from the last
+    --qpa-query-episodes episodes, whose slots are renewed as an episode starts. Returns (slots, recent_slots)."""
+    if hybrid and (recent_slots is None or loop.episode_length == 0):
+        recent_slots = rb.recent_episode_slots(args.qpa_query_episodes)
+    return rb.sample_indices(args.batch_size, rng, recent_slots, args.qpa_hybrid_ratio if hybrid else 0.0), recent_slots
 
 
-def load_frozen_reward_model(path: str, env_id: str, input_dim: int) -> RewardEnsemble:
-    """--reward-model-from: the reward model of another run's checkpoint, built as that run built it, in eval mode.
-    Refused in one line when the checkpoint holds none, or comes from another env or other observation/action sizes."""
-    saved = load_checkpoint(checkpoint_file(path, "--reward-model-from"))
-    need("reward_model" in saved, f"--reward-model-from {path}: the checkpoint holds no reward model (a sac.py run's?)")
-    settings = saved.get("args", {})
-    need(
-        settings.get("env_id") == env_id,
-        f"--reward-model-from {path}: its reward model was learned on {settings.get('env_id')}, this run is on {env_id}",
-    )
-    saved_dim = int(saved["reward_model"]["input_mean"].shape[0])
-    need(
-        saved_dim == input_dim,
-        f"--reward-model-from {path}: its reward model takes {saved_dim} inputs, this run's observation and action have {input_dim}",
-    )
-    net = ("reward_ensemble_size", "reward_net_hidden_dim", "reward_net_hidden_layers", "reward_net_dropout")
-    model = RewardEnsemble(input_dim, *(settings.get(name, getattr(PreferenceArgs, name)) for name in net))
-    model.load_state_dict(saved["reward_model"])
-    return model.eval()
+def learned_rewards(rb: ReplayBuffer, idx: np.ndarray, args: Args, step: int, device) -> torch.Tensor:
+    """A batch's learned reward, plus RUNE's bonus beta_t x the ensemble's std: optimism where the reward model is
+    unsure, decaying over the run."""
+    rewards = torch.as_tensor(rb.learned_rewards[idx], device=device)
+    if args.rune:
+        rewards = rewards + rune_beta(args.rune_beta, args.rune_beta_decay, step) * torch.as_tensor(rb.reward_std[idx], device=device)
+    return rewards
 
 
-def exploration_rewards(rb: ReplayBuffer, next_obs: torch.Tensor, intrinsic_rms: RunningMoments, args: Args, rng, device) -> torch.Tensor:
-    """PEBBLE's intrinsic reward of a batch: the distance from each reached state to its k-th nearest neighbour
-    among a random sample of the buffer's states, over the running std of those distances."""
-    reference = torch.as_tensor(rb.next_obs[rb.sample_indices(min(args.explore_knn_sample_size, rb.size), rng)], device=device)
-    intrinsic = knn_state_entropy(next_obs, reference, min(args.explore_knn_k, len(reference)))
-    intrinsic_rms.update(intrinsic)
-    return intrinsic / float(intrinsic_rms.std)
-
-
-def main(args: Args, on_evaluation: Callable[[int, float], None] | None = None) -> dict:
-    """Train and return the run's summary. `on_evaluation(step, mean_return)`, if given, is called after every
-    evaluation (a sweep uses it to report intermediate results and prune hopeless trials: what it raises ends the run)."""
+def main(args: Args, on_evaluation: Callable[[int, float], None] | None = None, reward_training: Callable | None = None) -> dict:
+    """Train and return the run's summary. `on_evaluation(step, mean_return)` is called after every evaluation (a sweep
+    reports and prunes with it). `reward_training(model, optimizer, prefs, rb, args, rng, device) -> stats` fits the
+    reward model at every session (default train_reward_model, looked up at the call: a test may replace it); a variant
+    passes its own (one with state_dict/load_state_dict is checkpointed)."""
     validate_args(args)
-    resume_state = load_checkpoint(Path(args.resume) / "checkpoint.pt") if args.resume else None
-    run_name = args.run_name or (resume_state["run_name"] if resume_state else default_run_name(args))
-    run_dir, model_dir, video_dir = Path("runs") / run_name, Path("models") / run_name, Path("videos") / run_name
-
+    reward_training = reward_training or train_reward_model
+    run = Run(args, "sac_rlhf", on_evaluation)
     with contextlib.ExitStack() as cleanup:  # closes what was opened however the run ends (a sweep may prune it)
         # Built before anything is written, so a bad env id, action space or simulator fails cleanly.
-        envs = gym.vector.SyncVectorEnv(
-            [
-                make_env(
-                    args.env_id,
-                    args.seed,
-                    args.render_mode,
-                    args.video_width,
-                    args.video_height,
-                    args.terminate_when_unhealthy,
-                    args.terminate_when_tilted,
-                )
-            ],
-            autoreset_mode=gym.vector.AutoresetMode.NEXT_STEP,
+        env = make_env(
+            args.env_id, args.seed, None, args.video_width, args.video_height, args.terminate_when_unhealthy, args.terminate_when_tilted
         )
+        envs = gym.vector.SyncVectorEnv([env], autoreset_mode=gym.vector.AutoresetMode.NEXT_STEP)
         cleanup.callback(envs.close)
         obs, _ = envs.reset(seed=args.seed)
         obs_dim, state_dim = int(np.prod(envs.single_observation_space.shape)), physics_state_size(envs.envs[0])
         action_space, action_dim = envs.single_action_space, int(np.prod(envs.single_action_space.shape))
-        frozen = args.reward_model_from is not None  # SAC on another run's reward model: no exploration, no sessions
-        frozen_model = load_frozen_reward_model(args.reward_model_from, args.env_id, obs_dim + action_dim) if frozen else None
 
-        writer = start_logging(args, run_name, run_dir, resume_state["loop"]["global_step"] if resume_state else None)
-        announce_run(run_name, args)
-        cleanup.callback(stop_logging, args, writer)
+        check_teacher_objective(args, obs_dim, action_dim, state_dim)  # before anything is written
+        writer = run.start_logging(cleanup)
         device, rng = seed_everything(args)  # rng: replay and segment sampling, random actions, held-out split
         agent = SACAgent(obs_dim, action_space, args, device)
-        reward_net = (args.reward_ensemble_size, args.reward_net_hidden_dim, args.reward_net_hidden_layers, args.reward_net_dropout)
-        reward_model = (frozen_model if frozen else RewardEnsemble(obs_dim + action_dim, *reward_net)).to(device)
-        # --reward-standardize: the scale the agent trains on, refitted every session
-        standardizer = RewardStandardizer(args.reward_standardize_center)
-        predict_learned_rewards = functools.partial(
-            predict_reward_arrays, reward_model, device, standardizer=standardizer if args.reward_standardize else None
-        )
+        reward_net = (args.reward_ensemble_size, args.reward_net_hidden_dim, args.reward_net_hidden_layers)
+        reward_model = RewardEnsemble(obs_dim + action_dim, *reward_net).to(device)
         reward_optimizer = torch.optim.Adam(reward_model.parameters(), lr=args.reward_net_lr, fused=True)  # one kernel: 2.5x faster steps
         rb = ReplayBuffer(min(args.buffer_size, args.total_timesteps), obs_dim, action_dim, state_dim)
         prefs = PreferenceBuffer(args.segment_length, obs_dim + action_dim, state_dim)
-        intrinsic_rms = RunningMoments()
-        pending = PendingRewards()
-        teacher = make_teacher(args, rb, run_name, run_dir, video_dir)
+        intrinsic_rms, pending, recent = RunningMoments(), PendingRewards(), RecentMeans(AGENT_MEASURES)
+        teacher = make_teacher(args, rb, run.name, run.dir, run.video_dir)
         cleanup.callback(teacher.close)
         heldout_fraction = 0.0 if teacher.labels_are_free else args.reward_net_heldout_fraction  # free: measured on fresh pairs
-        label_log = LabelLog(run_dir / "labels.sqlite")
+        label_log = LabelLog(run.dir / "labels.sqlite")
         cleanup.callback(label_log.close)
-        schedule = [] if frozen else feedback_schedule(
+        schedule = feedback_schedule(
             args.teacher_feedback_total_queries, args.teacher_feedback_num_queries_per_session,
             args.teacher_feedback_schedule, args.teacher_feedback_exponential_decay,
         )  # fmt: skip
         first_feedback_step = args.total_explore_steps if args.unsupervised_exploration else args.learning_starts
+        session = FeedbackSession()
         parts = {
             "agent": agent, "reward_model": reward_model, "reward_optimizer": reward_optimizer,
-            "preference_buffer": prefs, "intrinsic_rms": intrinsic_rms, "teacher": teacher, "session": FeedbackSession(),
+            "preference_buffer": prefs, "intrinsic_rms": intrinsic_rms, "teacher": teacher, "session": session,
         }  # fmt: skip
-        label_filter = LabelFilter()  # --robust-labels rime: its running thresholds are checkpointed with the rest
-        if args.robust_labels == "rime":
-            parts["label_filter"] = label_filter
-        if args.reward_standardize:
-            parts["reward_standardizer"] = standardizer
-        loop, session = LoopState(), parts["session"]
-        loop.learning_from_preferences = frozen  # a frozen reward is known from the first step: nothing to explore
-        recent = RecentMeans(AGENT_MEASURES)  # summary.json's figures of the last updates
+        if hasattr(reward_training, "state_dict"):  # a variant's reward training that carries state across sessions
+            parts["reward_training"] = reward_training
+        loop, obs = run.restore(parts, rng, rb, envs, obs, LoopState())
+        predict_learned_rewards = functools.partial(predict_reward_arrays, reward_model, device)
+        recent_slots = None  # QPA's hybrid replay: the slots of the last episodes
 
-        def checkpoint(folder: Path) -> None:
+        def checkpoint(folder: str | int) -> None:
             pending.fill(predict_learned_rewards, rb)  # the saved buffer is complete; the values are those the run would use
-            state = {"run_name": run_name, "args": public_settings(args), "loop": asdict(loop), "env": capture_env_state(envs, obs)}
-            state["wall_seconds"] = earlier_wall + time.time() - start_time  # the whole run's, across resumes
-            save_checkpoint(folder, state | training_state(parts, rng) | session.rollback(), rb)  # in a reward update: the state before it
+            run.save(folder, run.state(parts, rng, loop, envs, obs) | session.rollback(), rb)  # in a reward update: the state before it
 
-        if resume_state is not None or args.exploration_load:
-            saved = resume_state or load_checkpoint(args.path_to_model)
-            # An exploration checkpoint may come from a run with another teacher, which had not been asked anything yet.
-            load_training_state(parts if resume_state else {k: v for k, v in parts.items() if k != "teacher"}, rng, saved)
-            loop, obs = LoopState(**saved["loop"]), restore_env_state(envs, saved["env"])
-            rb.load(Path(args.resume) / "replay_buffer.npz" if resume_state else args.path_to_replay_buffer)
-            resumed = f"resumed {run_name} at step {loop.global_step} with {loop.labels_obtained} labels"
-            print(resumed if resume_state else f"loaded exploration checkpoint at step {loop.global_step}")
+        def session_due(done: int) -> bool:  # session done + 1 is due at this step (with --feedback-async: or later)
+            return loop.global_step >= first_feedback_step + done * args.teacher_feedback_frequency
 
-        progress = progress_bar(args, args.total_timesteps, loop.global_step)
-        start_time, start_step, interrupted, recent_slots = time.time(), loop.global_step, False, None
-        earlier_wall = earlier_wall_seconds(resume_state)  # training seconds before the checkpoint this run resumes from
-        try:
-            with stop_between_steps():
-                while loop.global_step < args.total_timesteps:
-                    stop_here_if_requested()  # Ctrl-C, SIGTERM: stop here, between two steps, never inside one
-                    step = loop.global_step
-                    # --- feedback session: select_queries -> teacher.label -> prefs.add -> train reward -> relabel -> reset critic ---
-                    session_due = step >= first_feedback_step + loop.sessions_done * args.teacher_feedback_frequency  # (async: or later)
-                    if session_due and loop.sessions_done < len(schedule) and not session.open:
-                        number = loop.sessions_done + 1  # checkpoints keep the open session's pairs
-                        session.start(
-                            session.take_staged(number) or session_pairs(number, schedule, reward_model, rb, args, rng, device), number
-                        )
-                    last = step + 1 == args.total_timesteps
-                    if session.open and session.ask(teacher, label_log, args, step, last):
-                        number, next_due = (
-                            session.number + 1,
-                            step >= first_feedback_step + session.number * args.teacher_feedback_frequency,
-                        )
-                        if session.stages_next(args, last) and number <= len(schedule) and next_due:
-                            # --feedback-async: people label the next pairs, chosen by the model as it stands, during the update
-                            session.stage(session_pairs(number, schedule, reward_model, rb, args, rng, device), number, teacher)
-                        with session.update(parts, rng, loop):  # one unit: Ctrl-C inside it saves the state before it
-                            record_labels(prefs, label_log, session, loop, heldout_fraction, rng)
-                            reward_stats = train_reward_model(reward_model, reward_optimizer, prefs, rb, args, rng, device, label_filter)
-                            known = rows_with_learned_reward(rb, pending)
-                            earlier_rewards = rb.learned_rewards[known]  # a copy (fancy indexing): the reward before this session
-                            relabel_replay_buffer(reward_model, rb, device, args.relabel_chunk_size)
-                            pending.clear()
-                            reward_change = reward_change_correlation(earlier_rewards, rb.learned_rewards[known])
-                            if args.reward_standardize:
-                                standardizer.refit(rb)
-                            if len(prefs) > 0 and not loop.learning_from_preferences:
-                                agent.reset_critic()  # Q-values of the intrinsic reward mean nothing for the learned one
-                                loop.learning_from_preferences = True
-                            elif loop.learning_from_preferences and reward_change < args.reset_agent_below_correlation:
-                                reinitialise_agent(agent)  # what it settled on was paid by a reward this session replaced
-                                loop.agent_resets += 1
-                            show_reward_model(teacher, reward_model, rb, args, rng, device, step)
-                            metrics = reward_model_metrics(reward_model, prefs, rb, args, teacher.labels_are_free, loop.global_step, device)
-                            measures = {"reward_change_correlation": reward_change, "agent_resets": loop.agent_resets}
-                            log_feedback_session(writer, loop, session, reward_stats, metrics, teacher.session_measures() | measures)
-                        if teacher.people_answer:
-                            checkpoint(model_dir / "latest")  # people's labels are what a killed run must not lose
-                    exploring = not loop.learning_from_preferences
+        def choose_pairs(number: int) -> dict:
+            return session_pairs(number, schedule, reward_model, rb, args, rng, device)
 
-                    # --- act; store the transition with the simulator state behind its observation ---
-                    if step < args.learning_starts:
-                        actions = rng.uniform(action_space.low, action_space.high, size=(1, action_dim)).astype(np.float32)
+        with run.training(loop, args.total_timesteps, save_last=lambda: checkpoint("latest")):
+            while loop.global_step < args.total_timesteps:
+                stop_here_if_requested()  # Ctrl-C, SIGTERM: stop here, between two steps, never inside one
+                step = loop.global_step
+                # --- feedback session: select_queries -> teacher -> prefs -> train reward -> relabel -> reset critic ---
+                last = step + 1 == args.total_timesteps
+                if session.ready(teacher, label_log, args, step, last, loop.sessions_done, len(schedule), session_due, choose_pairs):
+                    with session.update(parts, rng, loop):  # one unit: Ctrl-C inside it saves the state before it
+                        record_labels(prefs, label_log, session, loop, heldout_fraction, rng, teacher)
+                        reward_stats = reward_training(reward_model, reward_optimizer, prefs, rb, args, rng, device)
+                        reward_change = relabel(reward_model, rb, pending, device)
+                        reset_after_session(agent, loop, len(prefs), reward_change, args)
+                        show_reward_model(teacher, session, prefs, rb, predict_learned_rewards, args, rng, step)
+                        metrics = reward_model_metrics(reward_model, prefs, rb, args, teacher.labels_are_free, loop.global_step, device)
+                        measures = {"reward_change_correlation": reward_change, "agent_resets": loop.agent_resets}
+                        log_feedback_session(writer, loop, session, reward_stats, metrics, teacher.session_measures() | measures)
+                    if teacher.people_answer:
+                        checkpoint("latest")  # people's labels are what a killed run must not lose
+                exploring = not loop.learning_from_preferences
+
+                # --- act; store the transition with the simulator state behind its observation ---
+                if step < args.learning_starts:
+                    actions = rng.uniform(action_space.low, action_space.high, size=(1, action_dim)).astype(np.float32)
+                else:
+                    actions = agent.act(obs)
+                physics_state = get_physics_state(envs.envs[0])
+                autoreset = bool(autoreset_pending(envs)[0])
+                next_obs, rewards, terminations, truncations, _ = envs.step(actions)
+                if not autoreset:  # with next-step autoreset, the step after an episode end only resets: never store it
+                    rb.add(obs[0], next_obs[0], actions[0], rewards[0], terminations[0], loop.episode_id, physics_state)
+                    if not exploring:
+                        pending.add(rb)  # its learned reward is predicted when a batch first needs it
+                    run.track_episode(loop, rewards[0], terminations[0] or truncations[0], writer, step)
+                obs = next_obs
+                loop.global_step += 1
+                teacher.training_progress(loop.global_step, loop.sessions_done, len(schedule))  # the page's news, never waits
+
+                # --- learn: SAC on the state-entropy reward while exploring, then on the learned reward (+ RUNE) ---
+                if step >= args.learning_starts and (args.unsupervised_exploration or not exploring):
+                    hybrid = args.qpa_hybrid_ratio > 0 and not exploring and loop.sessions_done < len(schedule)
+                    idx, recent_slots = sample_batch(rb, rng, args, loop, hybrid, recent_slots)
+                    batch_obs, batch_next_obs = (torch.as_tensor(array[idx], device=device) for array in (rb.obs, rb.next_obs))
+                    if exploring:
+                        batch_rewards = exploration_rewards(rb, batch_next_obs, intrinsic_rms, args, rng, device)
+                        extra = {"exploration/intrinsic_reward": float(batch_rewards.mean())}
                     else:
-                        actions = agent.act(obs)
-                    physics_state = get_physics_state(envs.envs[0])
-                    autoreset = bool(autoreset_pending(envs)[0])
-                    next_obs, rewards, terminations, truncations, _ = envs.step(actions)
-                    if not autoreset:  # with next-step autoreset, the step after an episode end only resets: never store it
-                        rb.add(obs[0], next_obs[0], actions[0], rewards[0], terminations[0], loop.episode_id, physics_state)
-                        if not exploring:
-                            pending.add(rb)  # its learned reward is predicted when a batch first needs it
-                        track_episode(loop, rewards[0], terminations[0] or truncations[0], writer, progress, step)
-                    obs = next_obs
-                    loop.global_step += 1
-                    # the page's news: best effort, never waits
-                    teacher.training_progress(loop.global_step, loop.sessions_done, len(schedule))
-
-                    # --- learn: SAC on the state-entropy reward while exploring, then on the learned reward (+ RUNE) ---
-                    if step >= args.learning_starts and (args.unsupervised_exploration or not exploring):
-                        hybrid = args.qpa_hybrid_ratio if not exploring and loop.sessions_done < len(schedule) else 0.0
-                        if hybrid and (recent_slots is None or loop.episode_length == 0):  # QPA's last episodes, renewed as one ends
-                            recent_slots = rb.recent_episode_slots(args.qpa_query_episodes)
-                        idx = rb.sample_indices(args.batch_size, rng, recent_slots, hybrid)
-                        batch_obs, batch_next_obs = (
-                            torch.as_tensor(rb.obs[idx], device=device),
-                            torch.as_tensor(rb.next_obs[idx], device=device),
-                        )
-                        if exploring:
-                            batch_rewards = exploration_rewards(rb, batch_next_obs, intrinsic_rms, args, rng, device)
-                        else:
-                            pending.fill_if_sampled(predict_learned_rewards, rb, idx)
-                            batch_rewards = torch.as_tensor(rb.learned_rewards[idx], device=device)
-                            if args.rune:  # optimism in the reward model's uncertainty, decaying over the run
-                                beta = rune_beta(args.rune_beta, args.rune_beta_decay, step)
-                                batch_rewards = batch_rewards + beta * torch.as_tensor(rb.reward_std[idx], device=device)
-                        batch_actions, batch_terminated = (
-                            torch.as_tensor(array[idx], device=device) for array in (rb.actions, rb.terminated)
-                        )
-                        stats = agent.update(batch_obs, batch_actions, batch_rewards, batch_next_obs, batch_terminated, step)
-                        if step % 100 == 0:
-                            for name, value in stats.items():
-                                writer.add_scalar(f"losses/{name}", float(value), step)
-                            recent.add(stats)
-                            if exploring:
-                                writer.add_scalar("exploration/intrinsic_reward", float(batch_rewards.mean()), step)
-                            elif args.rune:
-                                writer.add_scalar("rune/beta", beta, step)
+                        pending.fill_if_sampled(predict_learned_rewards, rb, idx)
+                        batch_rewards = learned_rewards(rb, idx, args, step, device)
+                        extra = {"rune/beta": rune_beta(args.rune_beta, args.rune_beta_decay, step)} if args.rune else {}
+                    batch_actions, batch_terminated = (torch.as_tensor(array[idx], device=device) for array in (rb.actions, rb.terminated))
+                    stats = agent.update(batch_obs, batch_actions, batch_rewards, batch_next_obs, batch_terminated, step)
                     if step % 100 == 0:
-                        writer.add_scalar("charts/SPS", int((loop.global_step - start_step) / (time.time() - start_time)), step)
-                        if progress is not None:
-                            progress.update(loop.global_step - progress.n)
+                        log_update(writer, stats, step, extra, recent)
+                if step % 100 == 0:
+                    writer.add_scalar("charts/SPS", int((loop.global_step - run.start_step) / run.elapsed()), step)
+                    run.show_progress(loop)
 
-                    # --- evaluate, checkpoint ---
-                    exploration_ends = args.unsupervised_exploration and not frozen and loop.global_step == args.total_explore_steps
-                    if exploration_ends and not args.exploration_load:
-                        checkpoint(model_dir / str(loop.global_step))  # reusable: --exploration-load
-                    before_end = loop.global_step < args.total_timesteps
-                    if args.evaluation_frequency and loop.global_step % args.evaluation_frequency == 0 and before_end:
-                        loop.last_eval_return = evaluate_and_log(
-                            agent.actor, args, writer, video_dir, device, loop.global_step, on_evaluation
-                        )
-                        if frozen:  # no sessions log the frozen model's metrics: the evaluations do, on this run's buffer
-                            pending.fill(predict_learned_rewards, rb)
-                            frozen_metrics = reward_model_metrics(reward_model, prefs, rb, args, True, loop.global_step, device)
-                            for name, value in frozen_metrics.items():
-                                writer.add_scalar(f"reward_model/{name}", value, loop.global_step)
-                    if args.checkpoint_frequency and loop.global_step % args.checkpoint_frequency == 0 and before_end:
-                        checkpoint(model_dir / "latest")
-        except KeyboardInterrupt:
-            interrupted = True
-            print(f"\ninterrupted at step {loop.global_step}: saving models/{run_name}/latest")
-        finally:
-            wall = time.time() - start_time  # training time: periodic evaluations included, the final one not
-            checkpoint(model_dir / "latest")
-            if progress is not None:
-                progress.update(loop.global_step - progress.n)
-                progress.close()
+                # --- evaluate, checkpoint ---
+                if args.unsupervised_exploration and loop.global_step == args.total_explore_steps and not args.exploration_from:
+                    checkpoint(loop.global_step)  # reusable: --exploration-from models/<run>/<step>
+                before_end = loop.global_step < args.total_timesteps
+                if args.evaluation_frequency and loop.global_step % args.evaluation_frequency == 0 and before_end:
+                    run.evaluate(agent.actor, loop, device, teacher)
+                if args.checkpoint_frequency and loop.global_step % args.checkpoint_frequency == 0 and before_end:
+                    checkpoint("latest")
 
-        if not interrupted:
-            loop.last_eval_return = evaluate_and_log(agent.actor, args, writer, video_dir, device, loop.global_step, on_evaluation)
+        session.settle(teacher, prefs, label_log, loop, heldout_fraction, rng)  # people's last changes, and whether they agree
+        if not run.interrupted:
+            run.evaluate(agent.actor, loop, device, teacher)
         metrics = reward_model_metrics(reward_model, prefs, rb, args, teacher.labels_are_free, loop.global_step, device)
-        summary = run_summary(run_name, args, loop, metrics | session.idle_seconds(), wall, start_step, interrupted, earlier_wall)
-        summary |= recent.summary() | {"reward_model_from": args.reward_model_from, "agent_resets": loop.agent_resets}
-        if args.reward_standardize:  # the model's own scale at the last session
-            summary |= {"standardize_mean": standardizer.mean, "standardize_std": standardizer.std}
-        write_summary(run_dir, summary)
-        if interrupted:
-            raise RunInterrupted(model_dir / "latest")  # the command line says how to resume from it
-        return summary
+        return run.finish(loop, metrics | session.idle_seconds() | recent.summary() | {"agent_resets": loop.agent_resets})
 
 
 if __name__ == "__main__":

@@ -91,6 +91,8 @@ class SweepError(ValueError):
 # The training scripts: module in framework/ and the function that checks its Args (the same checks as its CLI).
 SCRIPTS = {
     "sac-rlhf": ("sac_rlhf", "validate_args"),
+    "sac-rlhf-rime": ("sac_rlhf_rime", "validate_args"),
+    "sac-rlhf-mistake-aware": ("sac_rlhf_mistake_aware", "validate_args"),
     "pref-ppo": ("pref_ppo", "validate_args"),
     "sac": ("sac", "validate_sac_args"),
     "ppo": ("ppo", "validate_ppo_args"),

@@ -3,9 +3,9 @@
 # on one CPU thread, before you commit hours to scripts/Hopper-v5.sh: 1000 random steps, unsupervised exploration
 # until step 5000, then a feedback session every 5000 steps until the 100 synthetic labels are used (5 sessions,
 # more labels in the early ones), each followed by reward-model training and a relabelling of the replay buffer,
-# and an evaluation (5 episodes, true return) every 5000 steps; 40 000 steps in all. The README ("Quick start") has
-# the returns and the time it took on the development machine (14 min, 2 shared cores); the progress bar shows
-# yours (eval=, labels=), TensorBoard the curves (eval/mean_return, reward_model/*).
+# and an evaluation (5 episodes, true return) every 5000 steps; 40 000 steps in all. docs/getting-started.md ("See it
+# learn in about 15 minutes") has the returns and the time it took on the development machine (14 min, 2 shared
+# cores); the progress bar shows yours (eval=, labels=), TensorBoard the curves (eval/mean_return, reward_model/*).
 # Run from the repository root: bash scripts/Hopper-v5-demo.sh [more flags]
 set -euo pipefail
 python framework/sac_rlhf.py \

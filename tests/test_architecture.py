@@ -80,19 +80,65 @@ def test_bench_and_toolbox_do_not_edit_sys_path(folder):
 
 
 def test_the_training_loop_never_asks_which_teacher_it_has():
-    """One Teacher interface: only the teachers' own module names HumanTeacher, and in the algorithm scripts only
-    make_teacher reads the feedback mode (main asks the teacher what it needs: people_answer, labels_are_free)."""
+    """One Teacher interface: only the teachers' own module names HumanTeacher and reads the feedback mode (make_teacher
+    there picks the teacher); main asks the teacher what it needs (people_answer, labels_are_free)."""
     import inspect
 
     import pref_ppo
     import sac_rlhf
+    from cleanrlhf_utils import feedback
 
     for path in [*sorted((REPO / "framework").rglob("*.py")), *sorted((REPO / "bench").glob("*.py"))]:
         if path.name != "feedback.py":
             assert "isinstance(teacher" not in path.read_text(), path
     for script in (sac_rlhf, pref_ppo):
-        assert "HumanTeacher" not in inspect.getsource(script), script.__name__
-        for name, value in vars(script).items():
-            if inspect.isfunction(value) and value.__module__ == script.__name__ and name != "make_teacher":
-                assert "teacher_feedback_mode" not in inspect.getsource(value), f"{script.__name__}.{name} reads the feedback mode"
-        assert "teacher_feedback_mode" in inspect.getsource(script.make_teacher)
+        source = inspect.getsource(script)
+        assert "HumanTeacher" not in source and "teacher_feedback_mode" not in source.split("class FeedbackArgs")[0], script.__name__
+    assert "teacher_feedback_mode" in inspect.getsource(feedback.make_teacher)
+
+
+# ----------------------------------------------------------------------------------------
+# An algorithm script is read in one sitting
+# ----------------------------------------------------------------------------------------
+COMPOUND = (ast.If, ast.For, ast.While, ast.With, ast.Try)
+SCRIPT_LINES = {"sac_rlhf": 1000, "pref_ppo": 1100}
+
+
+def nesting_depth(node: ast.AST) -> int:
+    """The deepest nesting of compound statements (if, for, while, with, try; an elif is an if inside the else) below
+    `node`."""
+    children = [child for child in ast.iter_child_nodes(node) if not isinstance(child, ast.FunctionDef | ast.ClassDef | ast.Lambda)]
+    deepest = max((nesting_depth(child) for child in children), default=0)
+    return deepest + 1 if isinstance(node, COMPOUND) else deepest
+
+
+def script_shape(path: Path) -> dict:
+    """Lines of the file and of its main, main's nesting depth, and the line of the first network (an nn.Module)."""
+    tree = ast.parse(path.read_text())
+    main = next(node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == "main")
+    networks = [node.lineno for node in tree.body if isinstance(node, ast.ClassDef) and "nn.Module" in map(ast.unparse, node.bases)]
+    return {
+        "lines": len(path.read_text().splitlines()),
+        "main_lines": main.end_lineno - main.lineno + 1,
+        "main_depth": nesting_depth(main),
+        "first_network": min(networks),
+    }
+
+
+def test_the_shape_measure_sees_a_planted_nesting_and_an_elif(tmp_path):
+    planted = tmp_path / "planted.py"
+    planted.write_text(
+        "import torch.nn as nn\n\n\nclass Net(nn.Module):\n    pass\n\n\n"
+        "def main():\n    with a:\n        while b:\n            if c:\n                pass\n            elif d:\n                pass\n"
+    )
+    assert script_shape(planted) == {"lines": 14, "main_lines": 7, "main_depth": 4, "first_network": 4}
+
+
+@pytest.mark.parametrize("script", sorted(SCRIPT_LINES))
+def test_each_algorithm_script_reads_in_one_sitting(script):
+    """The script at most SCRIPT_LINES long, its main at most 150 lines nested at most 5 deep, its first network
+    within the first 300 lines (CleanRL's SAC: 324 lines, a 171-line loop nested 6 deep)."""
+    shape = script_shape(REPO / "framework" / f"{script}.py")
+    assert shape["lines"] <= SCRIPT_LINES[script], shape
+    assert shape["main_lines"] <= 150 and shape["main_depth"] <= 5, shape
+    assert shape["first_network"] <= 300, shape

@@ -22,7 +22,7 @@ sys.path.insert(0, str(REPO / "bench"))
 try:
     import feedback_efficiency
     import throughput
-    from common import run_pool, spread
+    from common import RESULTS, read_manifest, results_path, run_pool, spread
 finally:
     sys.path.remove(str(REPO / "bench"))
 
@@ -256,27 +256,28 @@ def test_feedback_efficiency_variants_are_valid_runs_that_differ_only_as_named()
 
 
 def test_feedback_efficiency_passes_the_teachers_noise_and_the_defence_to_the_preference_run_only():
-    """--teacher-eps-mistake / --teacher-beta / --robust-labels reach sac_rlhf.py's Args as given (the oracle's values add
-    no flag), and never the baseline's command line (a noisy-teacher run reuses the oracle's SAC baseline)."""
-    script = sweep.load_script("sac-rlhf")
+    """--teacher-eps-mistake / --teacher-beta reach the preference run's Args as given (the oracle's values add no
+    flag), a defence is the variant script the run runs with its own settings, and the baseline's command line never
+    changes (a noisy-teacher run reuses the oracle's SAC baseline)."""
+    import sac_rlhf_rime
+
     oracle = feedback_efficiency.pebble_flags(bench_settings(), 1, "run")
     assert oracle == feedback_efficiency.pebble_flags(
         bench_settings(teacher_eps_mistake=0.0, teacher_beta=-1.0, robust_labels="none"), 1, "run"
     )
     noisy = bench_settings(teacher_eps_mistake=0.2, teacher_beta=10.0, robust_labels="rime", rime_flip_tau=1e-40)
-    parsed = tyro.cli(script.Args, args=feedback_efficiency.pebble_flags(noisy, 1, "run"))
-    assert (parsed.teacher_eps_mistake, parsed.teacher_beta, parsed.robust_labels) == (0.2, 10.0, "rime")
-    assert asdict(parsed) == asdict(tyro.cli(script.Args, args=oracle)) | {
+    parsed = tyro.cli(sac_rlhf_rime.Args, args=feedback_efficiency.pebble_flags(noisy, 1, "run"))
+    assert (parsed.teacher_eps_mistake, parsed.teacher_beta, parsed.rime_flip_tau) == (0.2, 10.0, 1e-40)
+    assert asdict(parsed) == asdict(tyro.cli(sac_rlhf_rime.Args, args=oracle)) | {
         "teacher_eps_mistake": 0.2,
         "teacher_beta": 10.0,
-        "robust_labels": "rime",
         "rime_flip_tau": 1e-40,
     }
+    assert feedback_efficiency.DEFENCE_SCRIPTS == {"none": "sac_rlhf.py", "rime": "sac_rlhf_rime.py", "smooth": "sac_rlhf_mistake_aware.py"}
     assert feedback_efficiency.baseline_flags(noisy, 1, "run") == feedback_efficiency.baseline_flags(bench_settings(), 1, "run")
-    # The bench's oracle values are both scripts' defaults: a run with them is the oracle setting, and adds no flag.
-    for name in ("sac-rlhf", "pref-ppo"):
-        defaults = sweep.load_script(name).Args()
-        assert {key: getattr(defaults, key) for key in feedback_efficiency.TEACHER_FLAGS} == feedback_efficiency.TEACHER_FLAGS
+    # The bench's oracle values are the scripts' defaults: a run with them is the oracle setting, and adds no flag.
+    defaults = {**vars(sweep.load_script("sac-rlhf").Args()), **vars(sac_rlhf_rime.Args()), "robust_labels": "none"}
+    assert {key: defaults[key] for key in feedback_efficiency.TEACHER_FLAGS} == feedback_efficiency.TEACHER_FLAGS
 
 
 @pytest.mark.parametrize(("flag", "value"), [("--rime-flip-tau", "1e-40"), ("--rime-warm-start-steps", "1000")])
@@ -464,3 +465,70 @@ def test_a_stopped_run_is_resumed_from_its_furthest_checkpoint_and_a_finished_on
     write_run("e_finished", 0.2, 150, finished=True)
     assert plan() == ("e_finished", None, None)  # read, not run
     assert plan(reuse_finished=False)[0] == "b_stopped_later"
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Where results live
+# ------------------------------------------------------------------------------------------------------------------
+def test_every_results_file_is_in_the_layout_and_listed_once_in_the_manifest():
+    """bench/results/<benchmark>/<question>/<result>.json, each file a manifest entry named <question>/<result>, whose
+    question has a page, and no file left out."""
+    questions, results, _ = read_manifest()
+    files = sorted(str(path.relative_to(RESULTS)) for path in RESULTS.rglob("*.json"))
+    assert files and sorted(entry.file for entry in results.values()) == files
+    for name, entry in results.items():
+        assert results_path(entry.benchmark, entry.question, name.split("/")[1]) == RESULTS / entry.file
+        assert (REPO / "bench" / f"{entry.benchmark}.py").is_file(), f"{name}: no benchmark {entry.benchmark}"
+        assert (REPO / questions[entry.question].partition("#")[0]).is_file(), entry.question
+
+
+@pytest.mark.parametrize(
+    "file, name",
+    [
+        ("knn/knn.json", "speed/knn"),
+        ("knn/speed/knn.json", "speed/other"),
+        ("knn/speed/extra/knn.json", "speed/knn"),
+        ("knn/nowhere/knn.json", "nowhere/knn"),
+    ],
+)
+def test_the_manifest_refuses_an_entry_out_of_the_layout(tmp_path, file, name):
+    manifest = tmp_path / "manifest.yaml"
+    manifest.write_text(
+        f"questions:\n  speed: docs/benchmarks/index.md\nresults:\n  {name}:\n    file: {file}\n    task: t\n    setting: s\n"
+    )
+    with pytest.raises(ValueError, match=name):
+        read_manifest(manifest)
+
+
+def test_the_manifest_refuses_a_summary_row_that_does_not_fit_its_table(tmp_path):
+    results = "results:\n  speed/knn:\n    file: knn/speed/knn.json\n    task: t\n    setting: s\n"
+    table = "tables:\n  t:\n    columns: [a, b]\n    rows:\n      - groups: {g: [GROUP]}\n        cells: CELLS\n"
+    manifest = tmp_path / "manifest.yaml"
+    for group, cells, error in (
+        ("speed/knn", "[one]", "a row of 1 cells under 2 columns"),
+        ("speed/other", "[one, two]", "it pools speed/other, which is not among its results"),
+        ("speed/knn", "[one, b: two]", "a cell that is not text"),
+    ):
+        manifest.write_text("questions:\n  speed: x.md\n" + results + table.replace("GROUP", group).replace("CELLS", cells))
+        with pytest.raises(ValueError, match=error):
+            read_manifest(manifest)
+    manifest.write_text("questions:\n  speed: x.md\n" + results + table.replace("GROUP", "speed/knn").replace("CELLS", "[one, two]"))
+    assert read_manifest(manifest).tables["t"]["rows"][0]["cells"] == ["one", "two"]
+
+
+def test_every_benchmark_writes_into_the_layout_by_default():
+    """Each benchmark's default --output comes from bench/common.py's results_path under its own name, never a path
+    spelled out; feedback_efficiency.py's depends on what ran."""
+    writers = [path for path in sorted((REPO / "bench").glob("*.py")) if '"--output"' in path.read_text()]
+    assert len(writers) >= 10
+    for path in writers:
+        source = path.read_text()
+        assert f'results_path("{path.stem}"' in source and '"bench" / "results"' not in source, path.name
+    options = {"env_id": "dm_control/walker-walk-v0", "algorithm": "sac", "variant": "qpa", "labels": 100}
+    options |= dict(feedback_efficiency.TEACHER_FLAGS)
+    default = feedback_efficiency.default_output
+    assert default(argparse.Namespace(**options)) == RESULTS / "feedback_efficiency" / "walker-walk" / "qpa.json"
+    noisy = argparse.Namespace(**options | {"teacher_eps_mistake": 0.2, "robust_labels": "rime"})
+    assert default(noisy) == RESULTS / "feedback_efficiency" / "noisy-teachers" / "walker-walk-qpa-100-rime.json"
+    ppo = argparse.Namespace(**options | {"algorithm": "ppo", "env_id": "CartPole-v1"})
+    assert default(ppo) == RESULTS / "feedback_efficiency" / "pref-ppo" / "cartpole.json"

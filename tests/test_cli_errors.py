@@ -99,35 +99,16 @@ BAD_ARGS = [
     ("offset-too-long", lambda tmp: {"segment_length": 10, "max_augmentation_offset": 10}, "--max-augmentation-offset (10)"),
     ("missing-resume", lambda tmp: {"resume": str(tmp / "no_such_run")}, "--resume"),
     ("resume-without-checkpoint", lambda tmp: {"resume": str(tmp)}, "no checkpoint.pt"),
-    (
-        "exploration-load-no-model",
-        lambda tmp: {"exploration_load": True, "path_to_replay_buffer": _existing_file(tmp)},
-        "--exploration-load needs --path-to-model",
-    ),
-    (
-        "exploration-load-missing-model",
-        lambda tmp: {"exploration_load": True, "path_to_replay_buffer": _existing_file(tmp), "path_to_model": str(tmp / "nope.pt")},
-        "--path-to-model",
-    ),
-    ("exploration-load-no-buffer", lambda tmp: {"exploration_load": True}, "--exploration-load needs --path-to-replay-buffer"),
-    (
-        "video-and-human",
-        lambda tmp: {"capture_video": True, "render_mode": "human"},
-        "--capture-video cannot be combined with --render-mode human",
-    ),
+    ("exploration-from-nothing", lambda tmp: {"exploration_from": str(tmp / "nope")}, "--exploration-from"),
+    ("exploration-from-no-buffer", lambda tmp: {"exploration_from": _existing_file(tmp, "checkpoint.pt")}, "no replay_buffer.npz"),
     ("surf-tau", lambda tmp: {"surf_tau": 1.0}, "--surf-tau"),
     ("eps-mistake", lambda tmp: {"teacher_eps_mistake": 1.5}, "--teacher-eps-mistake must be in [0, 1], got 1.5"),
     ("explore-shorter-than-random", lambda tmp: {"total_explore_steps": 500}, "--total-explore-steps (500)"),
-    ("dropout", lambda tmp: {"reward_net_dropout": 1.0}, "--reward-net-dropout"),
+    ("heldout-fraction", lambda tmp: {"reward_net_heldout_fraction": 1.0}, "--reward-net-heldout-fraction must be in [0, 1), got 1.0"),
     (
         "reset-correlation",
         lambda tmp: {"reset_agent_below_correlation": 1.5},
-        "--reset-agent-below-correlation must be in [-1, 1] (-1: never reset), got 1.5",
-    ),
-    (
-        "reset-with-frozen-reward",
-        lambda tmp: {"reset_agent_below_correlation": 0.5, "reward_model_from": _existing_file(tmp, "checkpoint.pt")},
-        "--reset-agent-below-correlation compares the rewards of feedback sessions, which a frozen reward has none of",
+        "--reset-agent-below-correlation must be in [-1, 1], got 1.5",
     ),
 ]
 
@@ -143,18 +124,11 @@ def test_validate_args_rejects(tmp_path, overrides, message):
 
 def test_validate_args_accepts_good_configurations(tmp_path):
     sac_rlhf.validate_args(sac_rlhf.Args())
-    sac_rlhf.validate_args(
-        sac_rlhf.Args(capture_video=True, render_mode="rgb_array", unsupervised_exploration=False, total_explore_steps=0)
-    )
+    sac_rlhf.validate_args(sac_rlhf.Args(capture_video=True, unsupervised_exploration=False, total_explore_steps=0))
     (tmp_path / "checkpoint.pt").write_bytes(b"x")
     sac_rlhf.validate_args(sac_rlhf.Args(resume=str(tmp_path)))
-    sac_rlhf.validate_args(
-        sac_rlhf.Args(
-            exploration_load=True,
-            path_to_replay_buffer=_existing_file(tmp_path),
-            path_to_model=_existing_file(tmp_path, "checkpoint.pt"),
-        )
-    )
+    _existing_file(tmp_path, "replay_buffer.npz")
+    sac_rlhf.validate_args(sac_rlhf.Args(exploration_from=str(tmp_path)))
 
 
 @pytest.mark.parametrize(
@@ -203,7 +177,7 @@ TYRO_CASES = [
     ("pref_ppo-invalid-choice", "framework/pref_ppo.py", ["--teacher-feedback-mode=humna"], NOT_A_MODE),
     ("sac-unknown-flag", "framework/sac.py", ["--foo-bar", "1"], "error: unknown flag --foo-bar; see --help"),
     ("ppo-value-without-flag", "framework/ppo.py", ["--cuda", "yes"], "error: unexpected argument 'yes': every setting is a --flag (an on/off one takes no value: --x / --no-x); see --help"),
-    ("evaluation-missing", "framework/evaluation.py", [], "error: missing --path-to-model; see --help"),
+    ("evaluation-missing", "framework/evaluation.py", [], "error: give --path-to-model (a run's checkpoint) or --policy (a shipped policy), one of them"),
     ("sweep-misspelt-flag", "framework/sweep.py", ["--sweep-cuont", "3"], "error: unknown flag --sweep-cuont (did you mean --sweep-count?); see --help"),
     ("sweep-script-flag", "framework/sweep.py", ["--config-filename", str(REPO_ROOT / "sweep_config/hopper.yaml"), "--", "--teacher-feedback-mode", "humna"], NOT_A_MODE),
     ("list_envs-misspelt-flag", "framework/list_envs.py", ["--jbos", "2"], "error: unknown flag --jbos (did you mean --jobs?); see --help"),
@@ -236,3 +210,18 @@ def test_what_tyro_rejects_is_one_error_line(tyro_results, case_id, line):
     assert returncode == 2
     assert stdout == ""
     assert list(cwd.iterdir()) == []  # nothing written
+
+
+@pytest.mark.parametrize("script", ["sac_rlhf", "sac_rlhf_rime", "sac_rlhf_mistake_aware", "pref_ppo", "sac", "ppo"])
+def test_a_mistyped_flag_is_refused_before_torch_is_imported(tmp_path, script):
+    """A misspelled flag costs a fraction of a second, not the seconds of torch's import: the script reads its flags
+    from its own source first (args_source) and refuses in the same one line tyro's parse gives."""
+    done = subprocess.run(
+        [sys.executable, "-X", "importtime", str(FRAMEWORK_DIR / f"{script}.py"), "--seedd", "3", "--total-timesteps", "9000"],
+        cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    errors = [line for line in done.stderr.splitlines() if not line.startswith("import time:")]
+    imported = {line.split("|")[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
+    assert done.returncode == 2 and errors == ["error: unknown flag --seedd (did you mean --seed?); see --help"], done.stderr[-2000:]
+    assert not {"torch", "gymnasium", "tyro"} & imported
+    assert list(tmp_path.iterdir()) == []

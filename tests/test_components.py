@@ -1,22 +1,19 @@
 """Behaviour of the algorithm scripts' shared components, checked against values that are computed
 independently (by hand, brute force, or from data planted so that the answer is known)."""
 
+import functools
 import math
 
 import numpy as np
 import pytest
 import torch
 
+import pref_ppo
+import sac_rlhf
+from cleanrlhf_utils.diagnostics import fresh_pair_accuracy
+from cleanrlhf_utils.feedback import SyntheticTeacher
+
 CPU = torch.device("cpu")
-
-
-@pytest.fixture(autouse=True)
-def _single_thread():
-    # The machine is small and shared: one intra-op thread is faster for these tiny networks.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 # ----------------------------------------------------------------------------------------
@@ -63,7 +60,7 @@ def random_replay_buffer(algo, rng: np.random.Generator, n: int = 1000, episode_
 def test_reward_model_learns_true_preferences(algo, surf):
     torch.manual_seed(0)
     rng = np.random.default_rng(0)
-    teacher = algo.SyntheticTeacher(beta=-1.0, gamma=1.0, eps_mistake=0.0, eps_skip=0.0, eps_equal=0.0, seed=1)
+    teacher = SyntheticTeacher(beta=-1.0, gamma=1.0, eps_mistake=0.0, eps_skip=0.0, eps_equal=0.0, seed=1)
 
     train_segments = random_pairs(rng, 200)
     train_labels = teacher.label_true_rewards(true_step_reward(train_segments))
@@ -114,7 +111,7 @@ def test_standardised_inputs_learn_a_preference_on_badly_scaled_features(algo):
     # The preference depends on features 0 and 1, stored at scales 300 and 0.01 with offsets, and the action is constant:
     # the raw (obs, action) of an env mix scales like this (angles, positions, velocities, an unused actuator).
     rng = np.random.default_rng(0)
-    teacher = algo.SyntheticTeacher(beta=-1.0, gamma=1.0, eps_mistake=0.0, eps_skip=0.0, eps_equal=0.0, seed=1)
+    teacher = SyntheticTeacher(beta=-1.0, gamma=1.0, eps_mistake=0.0, eps_skip=0.0, eps_equal=0.0, seed=1)
     train, test = random_pairs(rng, 200), random_pairs(rng, 300)
     rb = random_replay_buffer(algo, rng)
     rb.obs[:], rb.actions[:] = rb.obs * SCALE[:OBS_DIM] + OFFSET[:OBS_DIM], rb.actions * SCALE[OBS_DIM:] + OFFSET[OBS_DIM:]
@@ -205,7 +202,7 @@ def constant_pairs(returns: list[tuple[float, float]], length: int = 5) -> np.nd
 
 
 def teacher(algo, beta=-1.0, gamma=1.0, eps_mistake=0.0, eps_skip=0.0, eps_equal=0.0, seed=0):
-    return algo.SyntheticTeacher(beta, gamma, eps_mistake, eps_skip, eps_equal, seed)
+    return SyntheticTeacher(beta, gamma, eps_mistake, eps_skip, eps_equal, seed)
 
 
 def test_teacher_mistake_rate(algo):
@@ -545,7 +542,8 @@ def test_rune_beta(algo):
     assert algo.rune_beta(beta0, 0.0, 10_000) == beta0
 
 
-def test_relabel_replay_buffer_writes_ensemble_mean_and_std(algo):
+def test_relabel_replay_buffer_writes_ensemble_mean_and_std(algo, monkeypatch):
+    monkeypatch.setattr(algo, "RELABEL_CHUNK", 64)  # 1000 is not a multiple of 64
     torch.manual_seed(3)
     rng = np.random.default_rng(3)
     rb = algo.ReplayBuffer(1000, OBS_DIM, ACTION_DIM, 1)
@@ -555,7 +553,7 @@ def test_relabel_replay_buffer_writes_ensemble_mean_and_std(algo):
     assert rb.full
     model = algo.RewardEnsemble(INPUT_DIM, ensemble_size=4, hidden_dim=32, hidden_layers=2, dropout=0.5)
     model.train()
-    algo.relabel_replay_buffer(model, rb, CPU, chunk_size=64)  # 1000 is not a multiple of 64
+    algo.relabel_replay_buffer(model, rb, CPU)
     assert model.training
     mean, std = rb.learned_rewards.copy(), rb.reward_std.copy()
 
@@ -572,7 +570,8 @@ def test_relabel_replay_buffer_writes_ensemble_mean_and_std(algo):
     np.testing.assert_allclose(std, predicted_std.numpy(), atol=1e-6)
 
     # Dropout in train mode must not leak into the labels: relabelling again gives identical arrays.
-    algo.relabel_replay_buffer(model, rb, CPU, chunk_size=1000)
+    monkeypatch.setattr(algo, "RELABEL_CHUNK", 1000)
+    algo.relabel_replay_buffer(model, rb, CPU)
     np.testing.assert_array_equal(rb.learned_rewards, mean)
     np.testing.assert_array_equal(rb.reward_std, std)
     # Sanity: train-mode forward passes would differ (the dropout is real).
@@ -580,14 +579,15 @@ def test_relabel_replay_buffer_writes_ensemble_mean_and_std(algo):
     assert not torch.equal(model(x), model(x))
 
 
-def test_relabel_only_touches_stored_transitions(algo):
+def test_relabel_only_touches_stored_transitions(algo, monkeypatch):
+    monkeypatch.setattr(algo, "RELABEL_CHUNK", 7)
     torch.manual_seed(4)
     rb = algo.ReplayBuffer(100, OBS_DIM, ACTION_DIM, 1)
     for i in range(30):
         x = np.full(INPUT_DIM, i / 30, dtype=np.float32)
         rb.add(x[:OBS_DIM], x[:OBS_DIM], x[OBS_DIM:], 0.0, 0.0, 0, np.zeros(1))
     model = algo.RewardEnsemble(INPUT_DIM, ensemble_size=2, hidden_dim=8, hidden_layers=1)
-    algo.relabel_replay_buffer(model, rb, CPU, chunk_size=7)
+    algo.relabel_replay_buffer(model, rb, CPU)
     assert np.all(rb.learned_rewards[30:] == 0) and np.all(rb.reward_std[30:] == 0)
     expected, _ = algo.predict_rewards(model, torch.as_tensor(rb.obs_actions(np.arange(30))))
     np.testing.assert_allclose(rb.learned_rewards[:30], expected.numpy(), atol=1e-6)
@@ -634,7 +634,9 @@ def test_fresh_pair_accuracy_measures_agreement_with_the_true_reward(algo):
     opposed = linear_reward_model(algo, [-1.0, 0.5, 0.0, 0.0])
     blind = linear_reward_model(algo, [0.0, 0.0, 1.0, 0.0])  # looks at a feature the reward ignores
     accuracy = {
-        name: algo.fresh_pair_accuracy(model, rb, 400, SEG_LEN, np.random.default_rng(1), CPU)
+        name: fresh_pair_accuracy(
+            functools.partial(algo.preference_probabilities, model), rb, rb.true_rewards, 400, SEG_LEN, np.random.default_rng(1), CPU
+        )
         for name, model in (("aligned", aligned), ("opposed", opposed), ("blind", blind))
     }
     assert accuracy["aligned"] == 1.0 and accuracy["opposed"] == 0.0
@@ -645,8 +647,8 @@ def test_synthetic_labels_all_train_and_heldout_accuracy_comes_from_fresh_pairs(
     rb = random_replay_buffer(algo, np.random.default_rng(0))
     prefs = algo.PreferenceBuffer(SEG_LEN, INPUT_DIM, 1)
     model = linear_reward_model(algo, [1.0, -0.5, 0.0, 0.0])
-    args = algo.Args(segment_length=SEG_LEN, heldout_fresh_pairs=300)
-    assert algo.SyntheticTeacher.labels_are_free
+    args = algo.Args(segment_length=SEG_LEN)
+    assert SyntheticTeacher.labels_are_free
     fresh = algo.reward_model_metrics(model, prefs, rb, args, True, 500, CPU)
     assert fresh["heldout_accuracy"] == 1.0  # no held-out label exists: measured on fresh pairs
     again = algo.reward_model_metrics(model, prefs, rb, args, True, 500, CPU)
@@ -670,8 +672,8 @@ def test_with_an_objective_the_reward_model_is_measured_against_the_objective_no
     model = linear_reward_model(algo, [1.0, -0.5, 0.0, 0.0])  # the objective exactly
     rb.learned_rewards[: rb.size] = true_step_reward(np.concatenate([rb.obs, rb.actions], -1))[: rb.size]
     prefs = algo.PreferenceBuffer(SEG_LEN, INPUT_DIM, 1)
-    env_args = algo.Args(segment_length=SEG_LEN, heldout_fresh_pairs=300)
-    objective_args = algo.Args(segment_length=SEG_LEN, heldout_fresh_pairs=300, teacher_objective="test_components:model_reward_objective")
+    env_args = algo.Args(segment_length=SEG_LEN)
+    objective_args = algo.Args(segment_length=SEG_LEN, teacher_objective="test_components:model_reward_objective")
     against_env = algo.reward_model_metrics(model, prefs, rb, env_args, True, 500, CPU)
     against_objective = algo.reward_model_metrics(model, prefs, rb, objective_args, True, 500, CPU)
     assert against_env["heldout_accuracy"] == 0.0 and against_env["reward_correlation"] == pytest.approx(-1.0)
@@ -726,11 +728,8 @@ def test_qpa_augmentation_trains_every_pair_with_its_cropped_copies(algo):
     assert steps == {0: 3, 4: math.ceil(40 * 5 / 16)}
 
 
-def test_qpa_settings_are_checked(algo):
-    with pytest.raises(algo.ConfigError, match="--qpa-hybrid-ratio 0.5 needs --qpa-query-episodes"):
-        algo.validate_args(algo.Args(qpa_hybrid_ratio=0.5))
-    if algo.__name__ == "pref_ppo":
-        with pytest.raises(algo.ConfigError, match="PPO learns from its own rollouts"):
-            algo.validate_args(algo.Args(qpa_hybrid_ratio=0.5, qpa_query_episodes=10))
-    else:
-        algo.validate_args(algo.Args(qpa_hybrid_ratio=0.5, qpa_query_episodes=10, qpa_augmentations=20))
+def test_qpa_settings_are_checked():
+    with pytest.raises(sac_rlhf.ConfigError, match="--qpa-hybrid-ratio 0.5 needs --qpa-query-episodes"):
+        sac_rlhf.validate_args(sac_rlhf.Args(qpa_hybrid_ratio=0.5))
+    sac_rlhf.validate_args(sac_rlhf.Args(qpa_hybrid_ratio=0.5, qpa_query_episodes=10, qpa_augmentations=20))
+    assert not hasattr(pref_ppo.Args(), "qpa_hybrid_ratio")  # PPO learns from its own rollouts: it mixes no replay

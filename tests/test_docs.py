@@ -3,19 +3,24 @@ builds strictly, the README short, no page naming work items, and every command 
 marked as long."""
 
 import importlib.util
+import json
 import os
 import re
+import shlex
 import shutil
+import statistics
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 import sac_rlhf
+import sac_rlhf_rime
 
 REPO = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("gen_docs", REPO / "scripts" / "gen_docs.py")
+_spec = importlib.util.spec_from_file_location("gen_docs", REPO / "dev" / "gen_docs.py")
 gen_docs = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(gen_docs)
 
@@ -27,7 +32,7 @@ LONG_MARKER = "<!-- long -->"
 # Generated pages
 # ------------------------------------------------------------------------------------------------------------------
 def test_generated_pages_are_current():
-    assert gen_docs.stale(REPO) == [], "regenerate with: python scripts/gen_docs.py"
+    assert gen_docs.stale(REPO) == [], "regenerate with: python dev/gen_docs.py"
 
 
 def project_copy(tmp_path: Path) -> Path:
@@ -54,15 +59,118 @@ def test_the_check_names_a_page_made_stale_by_a_docstring_or_a_result(tmp_path, 
     assert gen_docs.main(["--check", "--repo", str(copy)]) == 1
     assert "stale: docs/reference/flags-sac_rlhf.md" in capsys.readouterr().err
     # A results file changes: the benchmark page and the README's table are stale; a plot that is gone is named.
-    result = copy / "bench" / "results" / "feedback_efficiency_walker_walk_qpa_seed3.json"
+    result = copy / "bench" / "results" / "feedback_efficiency" / "walker-walk" / "qpa-seed3.json"
     result.write_text(result.read_text().replace('"seed": 3', '"seed": 33', 1))
-    (copy / "docs" / "benchmarks" / "img" / "feedback_efficiency_walker_walk_qpa.png").unlink()
+    (copy / "docs" / "benchmarks" / "img" / "walker-walk" / "qpa.png").unlink()
     found = gen_docs.stale(copy)
-    assert {"docs/benchmarks/feedback-efficiency.md", "docs/benchmarks/img/feedback_efficiency_walker_walk_qpa.png"} <= set(found)
+    assert {"docs/benchmarks/feedback-efficiency.md", "docs/benchmarks/img/walker-walk/qpa.png"} <= set(found)
     # Regenerating makes the copy current again.
     assert gen_docs.main(["--repo", str(copy)]) == 0
     assert gen_docs.stale(copy) == []
     assert "environment steps of the whole run" in (copy / "docs/reference/flags-sac_rlhf.md").read_text()
+
+
+def edit_manifest(copy: Path, edit) -> None:
+    """Rewrites the copy's bench/results/manifest.yaml after `edit` changed its parsed content."""
+    path = copy / "bench" / "results" / "manifest.yaml"
+    data = yaml.safe_load(path.read_text())
+    edit(data["results"])
+    path.write_text(yaml.safe_dump(data, sort_keys=False, allow_unicode=True))
+
+
+def suite_row(text: str, task: str) -> list[str]:
+    """The cells of the suite table's rows for `task`, between the results markers of a page."""
+    table = text.split(gen_docs.README_START, 1)[1].split(gen_docs.README_END, 1)[0]
+    return [[cell.strip() for cell in line.split("|")[1:-1]] for line in table.splitlines() if line.startswith(f"| {task} |")]
+
+
+def test_the_suite_table_pools_the_results_the_manifest_feeds_it_by_task_and_setting(tmp_path):
+    """A suite row is every result with `suite` among its feeds that shares its task and setting: a file left out of
+    the suite takes its seeds out of the row, and a file given another setting becomes a row of its own."""
+    copy = project_copy(tmp_path)
+    (walker_walk,) = suite_row(gen_docs.generate(copy)[0]["README.md"], "dm_control/walker-walk-v0")
+    assert walker_walk[4] == "3" and walker_walk[6] == "[results](docs/benchmarks/feedback-efficiency.md#walker-walk-qpa)"
+
+    def edit(results: dict) -> None:
+        results["walker-walk/qpa-seed3"]["feeds"].remove("suite")
+        results["hopper/pebble-seeds45"]["setting"] = "PEBBLE, exponential schedule, seeds 4 and 5"
+
+    edit_manifest(copy, edit)
+    readme = gen_docs.generate(copy)[0]["README.md"]
+    (walker_walk,) = suite_row(readme, "dm_control/walker-walk-v0")
+    two_seeds = statistics.median(
+        row["ratio"] for row in json.loads((copy / "bench/results/feedback_efficiency/walker-walk/qpa.json").read_text())["rows"]
+    )
+    assert walker_walk[4] == "2" and walker_walk[5] == f"{two_seeds:.2f} × SAC"
+    hopper = suite_row(readme, "Hopper-v5")
+    assert [(row[1], row[4]) for row in hopper] == [
+        ("PEBBLE, exponential schedule", "3"),
+        ("PEBBLE, exponential schedule, seeds 4 and 5", "2"),
+    ]
+    assert hopper[1][6] == "[results](docs/benchmarks/feedback-efficiency.md#hopper-pebble-seeds45)"
+
+
+def test_the_generator_stops_where_the_manifest_and_the_repository_disagree(tmp_path):
+    """Each result is listed once with where it is shown: an unlisted results file, a table a page shows without the
+    manifest saying so, a feed no table of the page takes, and a non-feedback result in the suite are named."""
+    copy = project_copy(tmp_path)
+    stray = copy / "bench" / "results" / "knn" / "speed" / "stray.json"
+    stray.write_text("{}")
+
+    def edit(results: dict) -> None:
+        results["walker-walk/qpa"]["feeds"] = ["suite"]
+        results["hopper/pebble-explore5k"]["feeds"] = ["docs/benchmarks/backflip.md"]
+        results["speed/knn"]["feeds"] = ["suite"]
+        results["objectives/windmill"]["feeds"] = []  # the README's summary table reads it
+
+    edit_manifest(copy, edit)
+    with pytest.raises(SystemExit) as stopped:
+        gen_docs.generate(copy)
+    message = str(stopped.value)
+    assert "bench/results/knn/speed/stray.json: not in the manifest" in message
+    assert re.search(r"walker-walk/qpa: docs/benchmarks/\S+\.md shows it, its feeds do not say so", message)
+    assert "hopper/pebble-explore5k: feeds docs/benchmarks/backflip.md, whose table markers do not name it" in message
+    assert "speed/knn: only feedback_efficiency results feed the suite" in message
+    assert "objectives/windmill: README.md shows it, its feeds do not say so" in message
+    with pytest.raises(SystemExit, match="stray.json: not in the manifest"):  # the check says it too, and fails
+        gen_docs.main(["--check", "--repo", str(copy)])
+
+
+def test_a_summary_table_reads_each_figure_from_the_rows_its_group_pools():
+    """`<!-- table: summary name -->`: a manifest table whose cells hold `{group.value|statistic|format}` figures over
+    the rows of the results a group pools (or their medians, filtered by `where`); a trailing % in the format shows
+    the value × 100 with its unit, and its range without."""
+
+    def row(seed: int, success: float, idle: float) -> dict:
+        return {"seed": seed, "objective_success": success, "trainer_idle_share": idle}
+
+    results = {
+        "q/a": {"rows": [row(1, 0.995, 0.012), row(2, 0.1, 0.010), row(3, 0.5, 0.011)]},
+        "q/b": {"rows": [row(4, 0.96, 0.02), row(5, 0.2, 0.03)]},
+        "q/m": {
+            "medians": [{"env": "Hopper-v5", "variant": "rime", "acc": 0.9312}, {"env": "Hopper-v5", "variant": "default", "acc": 0.799}]
+        },
+    }
+    cells = [
+        "{p.objective_success|median|.1f%} {p.objective_success|iqr|.0f%}, {p.objective_success|at_least 0.95} of {p.seed|distinct}",
+        "seed 2: {p.objective_success|seed 2|.3f}; least {p.objective_success|min|.2f}; idle {p.trainer_idle_share|max|.1f%}",
+        "{m.acc|median|.3f}",
+    ]
+    spec = {
+        "columns": ["figures", "more", "medians"],
+        "rows": [
+            {"groups": {"p": ["q/a", "q/b"], "m": {"results": ["q/m"], "list": "medians", "where": {"variant": "rime"}}}, "cells": cells}
+        ],
+    }
+    lines = gen_docs.summary_table(spec, results)
+    assert lines[:2] == ["| figures | more | medians |", "|---|---|---|"]
+    assert lines[2] == "| 50.0 % [20, 96], 2 of 5 | seed 2: 0.100; least 0.10; idle 3.0 % | 0.931 |"
+    page = "<!-- table: summary t -->\n<!-- /table -->\n"
+    manifest = gen_docs.Manifest({}, {}, {"t": spec})
+    assert gen_docs.fill_tables(page, results, "page.md", manifest=manifest).splitlines()[3] == lines[2]
+    assert gen_docs.marker_names(page, manifest.tables) == {"q/a", "q/b", "q/m"}
+    with pytest.raises(SystemExit, match="summary table other"):
+        gen_docs.fill_tables(page.replace(" t ", " other "), results, "page.md", manifest=manifest)
 
 
 def test_flag_pages_list_every_field_of_the_scripts_args():
@@ -70,7 +178,6 @@ def test_flag_pages_list_every_field_of_the_scripts_args():
     import dataclasses
 
     import evaluation
-    import sac_rlhf
     import sweep
 
     for name, module in (("sac_rlhf", sac_rlhf), ("evaluation", evaluation), ("sweep", sweep)):
@@ -122,10 +229,23 @@ def test_readme_is_short_and_its_links_into_the_docs_exist():
         assert (REPO / link).exists(), f"README.md links to {link}, which does not exist"
 
 
-def test_no_page_names_a_work_item():
-    for page in PAGES:
-        for number, line in enumerate(page.read_text().splitlines(), 1):
-            assert not re.search(r"\bissues?\s*#?\d+", line, re.I), f"{page.relative_to(REPO)}:{number}: {line.strip()}"
+WORK_ITEM = re.compile(r"\bissues?\s*#?\d+|\bbefore the fix\b|\bafter the fix\b", re.I)
+"""How a text names a work item or narrates a change (`issue 14`, `#26` as an issue, `before the fix`)"""
+CODE = [path for folder in ("framework", "humanFeedback", "bench", "toolbox", "tests", "dev", "scripts", "slurm", "examples")
+        for path in sorted((REPO / folder).rglob("*")) if path.suffix in (".py", ".sh", ".js", ".html", ".sql", ".yaml")
+        and path != Path(__file__).resolve()]  # fmt: skip
+
+
+def test_no_page_and_no_code_names_a_work_item():
+    """Pages, code and tests speak of the project, not of its history."""
+    for path in [*PAGES, *CODE]:
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            assert not WORK_ITEM.search(line), f"{path.relative_to(REPO)}:{number}: {line.strip()}"
+
+
+def test_the_work_item_check_sees_one():
+    assert WORK_ITEM.search("a test for issue 14, item 8") and WORK_ITEM.search("Issue 26, part 4: ...")
+    assert WORK_ITEM.search("the numbers before the fix") and not WORK_ITEM.search("the issues people report")
 
 
 def bash_commands(text: str) -> list[tuple[str, bool]]:
@@ -150,7 +270,7 @@ def bash_commands(text: str) -> list[tuple[str, bool]]:
 
 
 # Programs of this project a page may start: each such command must run in a test or be marked long.
-PROGRAM = re.compile(r"^(?:\w+=\S+ )*(?:python (?:framework|bench|toolbox|humanFeedback|scripts)/|bash (?:scripts|slurm|dev)/)")
+PROGRAM = re.compile(r"^(?:\w+=\S+ )*(?:python (?:framework|bench|toolbox|humanFeedback|scripts|dev)/|bash (?:scripts|slurm|dev)/)")
 
 # Commands the docs show unmarked, and the test that runs each (with small inputs and step counts).
 RUN_BY_TESTS = {
@@ -168,9 +288,11 @@ RUN_BY_TESTS = {
     ),
     r"^python toolbox/compare\.py ": "tests/test_toolbox.py::test_same_seed_same_report_through_the_cli",
     r"^python framework/evaluation\.py --path-to-model ": "tests/test_end_to_end.py::test_pebble_run_writes_scalars_checkpoint_and_feedback",
+    r"^python toolbox/export_policy\.py ": "tests/test_policies.py::test_an_exported_checkpoint_evaluates_as_recorded",
+    r"^python toolbox/filmstrip\.py ": "tests/test_policies.py::test_a_filmstrip_holds_the_frames_it_names",
     r"^python framework/sweep\.py --export-best ": "tests/test_sweep.py::test_optuna_sweep_stores_three_trials_and_exports_the_best",
     r"^bash dev/install_test_deps\.sh": "tests/test_newcomer.py::test_install_test_deps_installs_what_is_missing_once_and_says_so",
-    r"^python scripts/gen_docs\.py": "tests/test_docs.py::test_the_check_names_a_page_made_stale_by_a_docstring_or_a_result",
+    r"^python dev/gen_docs\.py": "tests/test_docs.py::test_the_check_names_a_page_made_stale_by_a_docstring_or_a_result",
     r"^python framework/sac_rlhf\.py --env-id cleanrlhf_utils\.example_envs\.windmill:Windmill-v0 ": (
         "tests/test_custom_env.py::test_sac_rlhf_trains_on_the_windmill_with_an_objective"
     ),
@@ -354,13 +476,13 @@ def test_a_noise_table_pools_the_files_of_one_defence_into_one_median_over_all_t
 
 
 def test_a_noise_table_takes_rimes_default_flip_threshold_from_the_script(tmp_path):
-    """Which rime runs are named by their flip threshold follows sac_rlhf.py's Args default, read from its source: with a
+    """Which rime runs are named by their flip threshold follows sac_rlhf_rime.py's Args default, read from its source: with a
     script whose default is 0.01, a 0.01 run is plain `rime` and a 0.001 run is named apart."""
     (tmp_path / "framework").mkdir()
     script = 'class Args:\n    rime_flip_tau: float = 0.01\n    """doc"""\n    rime_warm_start_steps: int = 1000\n    """doc"""\n'
-    (tmp_path / "framework" / "sac_rlhf.py").write_text(script)
-    assert gen_docs.args_default(tmp_path, "sac_rlhf", "rime_flip_tau") == 0.01
-    assert gen_docs.args_default(REPO, "sac_rlhf", "rime_flip_tau") == sac_rlhf.Args().rime_flip_tau
+    (tmp_path / "framework" / "sac_rlhf_rime.py").write_text(script)
+    assert gen_docs.args_default(tmp_path, "sac_rlhf_rime", "rime_flip_tau") == 0.01
+    assert gen_docs.args_default(REPO, "sac_rlhf_rime", "rime_flip_tau") == sac_rlhf_rime.Args().rime_flip_tau
     row = {"seed": 1, "pebble_return": 1.0, "oracle_return": 2.0, "oracle_ratio": 0.5}
     names = []
     for flip_tau in (0.01, 0.001):
@@ -387,8 +509,9 @@ def test_a_rows_table_pools_its_files_in_their_kinds_columns_and_leaves_out_colu
     left out instead of emptying the table."""
     sessions = {f"s{session}": 0.5 for session in range(1, 11)}
     common = {"acc_min": 0.5, "acc_max": 0.6, "r_step": 0.3, "epochs": 2} | sessions
-    older = {"medians": [{"labels_of": "none, seed 1", "variant": "rime"} | common]}
-    newer = {"medians": [{"labels_of": "rime, seed 2", "variant": "default", "flipped": float("nan")} | common]}
+    replay = {"benchmark": "reward_learning_replay"}  # what bench/reward_learning.py replay records: its columns
+    older = replay | {"medians": [{"labels_of": "none, seed 1", "variant": "rime"} | common]}
+    newer = replay | {"medians": [{"labels_of": "rime, seed 2", "variant": "default", "flipped": float("nan")} | common]}
     page = "<!-- table: rows reward_learning_replay_a reward_learning_replay_b -->\n<!-- /table -->\n"
     lines = gen_docs.fill_tables(page, {"reward_learning_replay_a": older, "reward_learning_replay_b": newer}, "page.md").splitlines()
     assert lines[1].endswith("| r_step | epochs | flipped |") and "flipped_wrong" not in lines[1]
@@ -448,5 +571,41 @@ def test_a_settings_table_pools_each_settings_seeds_reads_the_last_third_and_nam
     assert gen_docs.label_sessions(even) == "20, 5k–147.5k, 50 → 50 labels"
     even["command"] = even["command"].replace("steps 150000", "steps 50000")
     assert gen_docs.label_sessions(even) == "6, 5k–42.5k, 50 → 50 labels"
-    with pytest.raises(SystemExit, match="no bench/results/novel_c.json"):
+    with pytest.raises(SystemExit, match="names novel_c, which bench/results/manifest.yaml does not list"):
         gen_docs.fill_tables("<!-- table: settings novel_a+novel_c -->\n<!-- /table -->", {"novel_a": first}, "page.md")
+
+
+# The training scripts a page may start, by the name framework/sweep.py loads each by (its Args and its own checks).
+TRAINING_SCRIPTS = {"sac_rlhf": "sac-rlhf", "pref_ppo": "pref-ppo", "sac": "sac", "ppo": "ppo"}
+
+
+def test_every_training_command_the_docs_show_passes_the_scripts_own_checks(monkeypatch, capsys):
+    """Long ones too, which no test runs: each command's flags are read by its script's Args and checked by its
+    validation, as the script does before it starts (a wrong flag, or --total-timesteps shorter than one PPO rollout,
+    fails here). A command that reads what an earlier command on the page writes (a checkpoint, a label store) may find
+    it missing; a shell variable is left to the reader."""
+    import sweep
+    from cleanrlhf_utils.cli import command_line_args
+    from cleanrlhf_utils.errors import ConfigError
+
+    checked = 0
+    for page in PAGES:
+        for command, _ in bash_commands(page.read_text()):
+            match = re.match(r"^((?:\w+=\S+ )*)python framework/(\w+)\.py(.*)$", command)
+            if not match or match.group(2) not in TRAINING_SCRIPTS or "$" in command:
+                continue
+            for assignment in match.group(1).split():
+                name, _, value = assignment.partition("=")
+                if name == "PYTHONPATH":
+                    monkeypatch.syspath_prepend(str(REPO / value))
+            script = sweep.load_script(TRAINING_SCRIPTS[match.group(2)])
+            flags = shlex.split(match.group(3))
+            try:
+                script.validate(command_line_args(script.Args, flags))
+            except ConfigError as error:
+                missing = re.search(r" (\S+)(?: does not exist|: no checkpoint there)", str(error))
+                assert missing and missing.group(1) in flags, f"{page.relative_to(REPO)}: {command}\n  {error}"
+            except SystemExit as exit:
+                pytest.fail(f"{page.relative_to(REPO)}: {command}\n  exit {exit.code}: {capsys.readouterr().err.strip()}")
+            checked += 1
+    assert checked >= 10

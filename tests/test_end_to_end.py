@@ -160,9 +160,7 @@ def assert_same_training(a: dict, b: dict) -> None:
         assert loop_a[key] == loop_b[key], key
 
 
-@pytest.mark.parametrize("torch_threads", [1])
-def test_resume_and_exploration_load_continue_exactly(chdir_tmp, torch_threads):
-    torch.set_num_threads(torch_threads)
+def test_resume_and_exploration_from_continue_exactly(chdir_tmp):
     sac_rlhf.main(small_args("whole"))
     uninterrupted = final_state("whole")
 
@@ -173,14 +171,7 @@ def test_resume_and_exploration_load_continue_exactly(chdir_tmp, torch_threads):
     assert_same_training(uninterrupted, final_state("part"))
 
     # Start from the exploration checkpoint the uninterrupted run saved at 400 steps.
-    sac_rlhf.main(
-        small_args(
-            "loaded",
-            exploration_load=True,
-            path_to_model="models/whole/400/checkpoint.pt",
-            path_to_replay_buffer="models/whole/400/replay_buffer.npz",
-        )
-    )
+    sac_rlhf.main(small_args("loaded", exploration_from="models/whole/400"))
     assert_same_training(uninterrupted, final_state("loaded"))
 
 
@@ -358,12 +349,12 @@ def test_a_killed_run_resumed_from_its_checkpoint_logs_each_step_once(chdir_tmp,
     ],
 )
 def test_a_run_stopped_by_a_signal_resumes_as_the_run_that_never_stopped(chdir_tmp, module, stopped_in, signum):
-    """Ctrl-C or SIGTERM (SLURM's time limit, bench's stop) lands wherever the run is. It used to raise there, and
-    the checkpoint recorded a step whose work was half done: a run stopped in its 400-step evaluation resumed at 400
-    without it (its curve skipped the point), one stopped in an update resumed past it. Now the run stops at the
-    next step boundary (the evaluation logged, the update finished), or, inside a feedback session's reward update
-    (minutes long), at once with the state from before the update, which the resumed run redoes. Resumed, the run's
-    curves and final networks, buffers and counters are the uninterrupted run's."""
+    """Ctrl-C or SIGTERM (SLURM's time limit, bench's stop) lands wherever the run is; stopping there would checkpoint
+    a step whose work is half done (a run stopped in its 400-step evaluation would resume at 400 without it, one
+    stopped in an update past it). The run stops at the next step boundary (the evaluation logged, the update
+    finished), or, inside a feedback session's reward update (minutes long), at once with the state from before the
+    update, which the resumed run redoes. Resumed, the run's curves and final networks, buffers and counters are the
+    uninterrupted run's."""
     import sac
     from cleanrlhf_utils.cli import RunInterrupted
 

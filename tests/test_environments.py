@@ -131,7 +131,6 @@ def test_pebble_runs_on(chdir_tmp, env_id):
 def test_pebble_resumes_exactly_on_the_control_suite(chdir_tmp):
     # dm_control draws from a legacy RandomState and counts its time limit inside the suite's Environment:
     # both, and the solver's warm start, must be in the checkpoint for a resumed run to continue bit for bit.
-    torch.set_num_threads(1)
     settings = {"env_id": "dm_control/cartpole-swingup-v0", "total_timesteps": 700, "learning_starts": 100, "total_explore_steps": 200}
     sac_rlhf.main(small_args("whole", **settings, teacher_feedback_frequency=200, segment_length=10))
     sac_rlhf.main(small_args("part", **settings | {"total_timesteps": 450}, teacher_feedback_frequency=200, segment_length=10))
@@ -260,7 +259,7 @@ def test_no_terminate_when_unhealthy_is_refused_where_the_env_has_no_such_termin
     ("module", "env_id", "message"),
     [
         (sac_rlhf, "dm_control/lqr-lqr_2_1-v0", "has unbounded actions"),
-        (sac_rlhf, "dm_control/walker-fly-v0", "is not a registered Gymnasium environment (similar: dm_control/walker-"),
+        (sac_rlhf, "dm_control/walker-fly-v0", "is not a registered Gymnasium environment (similar ids that run here: dm_control/walker-"),
         (pref_ppo, "dm_control/walker-fly-v0", "is not a registered Gymnasium environment"),
         (sac_rlhf, "CartPole-v1", "has a Discrete action space"),
         (pref_ppo, "dm_control/stack_2_bricks_vision-v0", "observes camera images"),
@@ -274,10 +273,10 @@ def test_unsupported_envs_are_refused_with_the_reason(module, env_id, message):
 
 
 # ----------------------------------------------------------------------------------------
-# framework/working_envs.md: generated, complete, and right about the envs tested here
+# docs/reference/working-envs.md: generated, complete, and right about the envs tested here
 # ----------------------------------------------------------------------------------------
 def test_working_envs_md_covers_every_candidate_id():
-    rows = list_envs.read_markdown(REPO_ROOT / "framework" / "working_envs.md")
+    rows = list_envs.read_markdown(list_envs.WORKING_ENVS_PAGE)
     assert set(rows) == set(list_envs.candidate_env_ids()), "regenerate with: python framework/list_envs.py"
     for env_id in set(ENV_IDS) | set(SCRIPT_ENV_IDS):
         assert rows[env_id]["sac_rlhf"] == "pass" and rows[env_id]["pref_ppo"] == "pass", rows[env_id]

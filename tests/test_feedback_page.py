@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import time
@@ -83,6 +84,16 @@ def browser():
             b.close()
 
 
+def log_in(page, base: str) -> str:
+    """Opens a one-time login link, as a person opens the one the trainer printed; returns the link."""
+    resp = requests.post(f"{base}/api/login-codes", json={}, headers=HEADERS, timeout=5)
+    assert resp.status_code == 201, resp.text
+    link = base + resp.json()["url"]
+    page.goto(link)
+    page.wait_for_url(base + "/")
+    return link
+
+
 def answers(server) -> list[dict]:
     resp = requests.get(f"{server['base']}/api/runs/{server['run_id']}/answers", params={"after": 0}, headers=HEADERS, timeout=5)
     return resp.json()["answers"]
@@ -128,7 +139,7 @@ def test_label_by_click_and_key_then_undo_and_reward_view(server, browser):
     errors: list[str] = []
     page.on("pageerror", lambda e: errors.append(str(e)))
     try:
-        page.goto(f"{server['base']}/?token={TOKEN}")
+        log_in(page, server["base"])
         page.fill("#annotator-input", "tester")
         page.click("#name-save")
 
@@ -176,7 +187,7 @@ def test_label_by_click_and_key_then_undo_and_reward_view(server, browser):
         page.wait_for_selector("#waiting", state="visible", timeout=10_000)
         assert page.is_hidden("#name-form") and page.inner_text("#who-name") == "tester"
 
-        page.goto(f"{server['base']}/?token={TOKEN}#rewards")
+        page.goto(f"{server['base']}/#rewards")
         page.wait_for_function("() => document.querySelectorAll('#rewards-list .eval').length === 2", timeout=10_000)
         ranked = page.locator("#rewards-list .eval .ret").all_inner_texts()
         assert ranked == ["#1 · predicted return 12.250", "#2 · predicted return 3.500"]
@@ -185,31 +196,44 @@ def test_label_by_click_and_key_then_undo_and_reward_view(server, browser):
         context.close()
 
 
-def test_token_leaves_the_address_after_the_first_load(server, browser):
-    """The server hands ?token= over as a cookie and the page drops it from its address: no later request
-    (API calls, clips) carries it in its URL, and a reload without it still works."""
-    context = browser.new_context(viewport={"width": 1100, "height": 800})
-    page = context.new_page()
+def test_the_browser_keeps_no_token_and_its_history_no_live_login(server, browser, tmp_path):
+    """A person logs in with the printed one-time link and labels: no file of the browser's profile (history, cookies,
+    cache, local storage) holds the token, no request carries it, and the login link its history keeps opens nothing."""
+    profile = tmp_path / "profile"
+    context = browser.browser_type.launch_persistent_context(
+        str(profile),
+        executable_path=str(CHROMIUM),
+        headless=True,
+        args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"],
+    )
     urls: list[str] = []
-    page.on("request", lambda r: urls.append(r.url))
     try:
-        page.goto(f"{server['base']}/?token={TOKEN}#rewards")
-        page.wait_for_function("() => document.querySelectorAll('#rewards-list .eval').length === 2", timeout=10_000)
-        assert page.evaluate("() => location.href") == f"{server['base']}/#rewards"
-        # the clips load with the cookie alone
-        page.wait_for_function("() => [...document.querySelectorAll('#rewards-list video')].every(v => v.readyState >= 1)", timeout=10_000)
+        page = context.new_page()
+        page.on("request", lambda r: urls.append(r.url))
+        link = log_in(page, server["base"])
+        page.goto(f"{server['base']}/#rewards")
+        page.wait_for_function(
+            "() => { const v = [...document.querySelectorAll('#rewards-list video')]; return v.length === 2 && v.every(x => x.readyState >= 1); }",
+            timeout=30_000,  # a fresh profile on a busy machine
+        )
         assert any("/clips/" in u for u in urls) and any("/api/" in u for u in urls)
-        assert [u for u in urls if "token" in u] == [f"{server['base']}/?token={TOKEN}#rewards".split("#")[0]]
-        page.reload()
-        page.wait_for_function("() => document.querySelectorAll('#rewards-list .eval').length === 2", timeout=10_000)
-        cookie = [c for c in context.cookies() if c["name"] == "feedback_token"]
-        assert cookie and cookie[0]["httpOnly"] and cookie[0]["sameSite"] == "Strict"
+        (cookie,) = [c for c in context.cookies() if c["name"].startswith("feedback_session_")]
+        assert cookie["httpOnly"] and cookie["sameSite"] == "Strict" and TOKEN not in cookie["value"]
         assert page.evaluate("() => document.cookie") == ""  # HttpOnly: the page's scripts never see it
     finally:
-        context.close()
+        context.close()  # the profile is written out
+    assert all(TOKEN not in u for u in urls)
+    for path in profile.rglob("*"):
+        if path.is_file():
+            assert TOKEN.encode() not in path.read_bytes(), path
+    history = sqlite3.connect(profile / "Default" / "History")
+    visited = [row[0] for row in history.execute("SELECT url FROM urls")]
+    history.close()
+    assert f"{server['base']}/" in visited and link in visited  # the history is there, login link included ...
+    assert requests.get(link, timeout=5).status_code == 403  # ... and that link is dead
 
 
-# ----------------------------------------------------------------------------- issue 14, items 12-16: the page as a person sees it
+# ----------------------------------------------------------------------------- the page as a person sees it
 
 
 def start_server(data_dir: Path, port: int) -> subprocess.Popen:
@@ -269,7 +293,7 @@ def record_progress_lines(page) -> None:
 
 
 def test_progress_instructions_run_picker_training_news_and_sharp_clips(tmp_path, browser):
-    """Item 12: "pair k of N in session s" from the size the trainer declared, never growing while pairs upload, never
+    """The page's "pair k of N in session s" from the size the trainer declared, never growing while pairs upload, never
     going back, right after the last answer. Item 13: between sessions the trainer's news. Item 15: the run's question
     above the clips and the clip's length; clips never enlarged beyond their own size. Item 16: a run picker."""
     port = free_port()
@@ -286,7 +310,7 @@ def test_progress_instructions_run_picker_training_news_and_sharp_clips(tmp_path
         upload_pairs(base, tmp_path, alpha, 1, ["a0", "a1"])
         upload_pairs(base, tmp_path, beta, 7, ["b0"])
 
-        page.goto(f"{base}/?token={TOKEN}")
+        log_in(page, base)
         page.fill("#annotator-input", "ann")
         page.click("#name-save")
         page.wait_for_function(f"() => [...document.querySelectorAll('#run-pick option')].some(o => o.value === '{beta}')", timeout=10_000)
@@ -308,7 +332,7 @@ def test_progress_instructions_run_picker_training_news_and_sharp_clips(tmp_path
         page.keyboard.press("ArrowUp")
         page.wait_for_selector("#waiting", state="visible", timeout=10_000)
         page.wait_for_function(
-            "() => document.querySelector('#progress').textContent === 'Session 1: 3 of 3 pairs labelled · 3 labelled in total'",
+            "() => document.querySelector('#progress').textContent === 'Session 1: 3 of 3 pairs answered · 3 labelled in total'",
             timeout=10_000,
         )
         seen = [line for line in page.evaluate("() => window.__progress") if line]
@@ -336,7 +360,7 @@ def test_progress_instructions_run_picker_training_news_and_sharp_clips(tmp_path
 
 
 def test_answers_given_while_the_server_is_away_are_kept_and_sent_once(tmp_path, browser):
-    """Item 14: an answer the server did not confirm is kept in the browser (localStorage), survives the page being
+    """An answer the server did not confirm is kept in the browser (localStorage), survives the page being
     closed, is sent when the server is back, and its pair is never asked again."""
     port = free_port()
     base = f"http://127.0.0.1:{port}"
@@ -347,7 +371,7 @@ def test_answers_given_while_the_server_is_away_are_kept_and_sent_once(tmp_path,
         run = make_run(base, "outage")
         ids = upload_pairs(base, tmp_path, run, 1, ["o0", "o1", "o2"])
         page = context.new_page()
-        page.goto(f"{base}/?token={TOKEN}")
+        log_in(page, base)
         page.fill("#annotator-input", "kim")
         page.click("#name-save")
         page.wait_for_function(f"() => document.querySelector('#pairs').dataset.queryId === '{ids[0]}'", timeout=10_000)
@@ -386,7 +410,8 @@ def test_a_remembered_run_that_is_not_on_this_server_falls_back_to_all_runs(serv
     context = browser.new_context(viewport={"width": 1100, "height": 800})
     page = context.new_page()
     try:
-        page.goto(f"{server['base']}/?token={TOKEN}&run_id=999")
+        log_in(page, server["base"])
+        page.goto(f"{server['base']}/?run_id=999")
         page.fill("#annotator-input", "fallback")
         page.click("#name-save")
         page.wait_for_function(
@@ -399,3 +424,181 @@ def test_a_remembered_run_that_is_not_on_this_server_falls_back_to_all_runs(serv
         )
     finally:
         context.close()
+
+
+# ----------------------------------------------------------------------------- getting in, undo, the run panel, tabs
+
+
+def test_a_browser_that_is_not_logged_in_gets_a_page_that_says_how_to_get_in(server, browser):
+    context = browser.new_context(viewport={"width": 1100, "height": 800})
+    page = context.new_page()
+    try:
+        resp = page.goto(server["base"] + "/")
+        assert resp.status == 401 and "text/html" in resp.headers["content-type"]
+        assert page.inner_text("h1") == "Log in to label clips"
+        text = page.inner_text("main")
+        assert "login link" in text and "runs/<run>/feedback_token" in text and "works once" in text
+        page.fill("#token", "not the token")
+        page.click("button[type=submit]")
+        assert "not this server's token" in page.inner_text("#login-message")
+        page.fill("#token", TOKEN)
+        page.click("button[type=submit]")
+        page.wait_for_url(server["base"] + "/")
+        page.wait_for_selector("#annotator-input", state="visible", timeout=10_000)  # the labelling page
+        assert TOKEN not in page.url and all(TOKEN not in c["value"] for c in context.cookies())
+    finally:
+        context.close()
+
+
+def upload_evaluation(base: str, tmp: Path, run_id: int, name: str, step: int, shade: int) -> None:
+    """An evaluation clip through the real API, as the trainer's FeedbackClient.upload_evaluations sends one."""
+    clip = write_h264(tmp / name, shade)
+    resp = requests.post(
+        f"{base}/api/runs/{run_id}/evaluations",
+        data={"evaluations": json.dumps([{"clip": name, "predicted_return": 1.5, "step": step}])},
+        files=[("clips", (name, clip, "video/mp4"))],
+        headers=HEADERS,
+        timeout=10,
+    )
+    assert resp.status_code == 201, resp.text
+
+
+def test_undo_has_a_key_counts_right_and_shows_the_earlier_answer(tmp_path, browser):
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    proc = start_server(tmp_path / "data", port)
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    page = context.new_page()
+    try:
+        run = make_run(base, "undo")
+        report(base, run, step=100, phase="labelling", session=1, session_size=4)
+        ids = upload_pairs(base, tmp_path, run, 1, ["u0", "u1", "u2", "u3"])
+        log_in(page, base)
+        page.fill("#annotator-input", "uma")
+        page.click("#name-save")
+        for k, key in enumerate(("ArrowLeft", "ArrowDown", "ArrowRight")):  # left, skip, right
+            page.wait_for_function(f"() => document.querySelector('#pairs').dataset.queryId === '{ids[k]}'", timeout=10_000)
+            page.keyboard.press(key)
+        page.wait_for_function(f"() => document.querySelector('#pairs').dataset.queryId === '{ids[3]}'", timeout=10_000)
+        page.wait_for_function("() => localStorage.getItem('cleanrlhf.feedback.outbox') === '{}'", timeout=10_000)
+        # a skip is no label: two labels and one skip, not three labels
+        page.wait_for_function(
+            "() => document.querySelector('#progress').textContent === 'Pair 4 of 4 in session 1 · 2 labelled in total, 1 skipped'",
+            timeout=10_000,
+        )
+        assert "Backspace" in page.inner_text("#undo")
+
+        page.keyboard.press("Backspace")  # undo by key: the third pair comes back, the counts go back with it
+        page.wait_for_function(f"() => document.querySelector('#pairs').dataset.queryId === '{ids[2]}'", timeout=10_000)
+        page.wait_for_function(
+            "() => document.querySelector('#progress').textContent === 'Pair 3 of 4 in session 1 · 1 labelled in total, 1 skipped'",
+            timeout=10_000,
+        )
+        assert "Your earlier answer was “Right is better”" in page.inner_text("#notice")
+        assert page.get_attribute("button[data-choice=right]", "class").split() == ["choice", "earlier"]
+        assert "your earlier answer" in page.evaluate(
+            "() => getComputedStyle(document.querySelector('button[data-choice=right]'), '::after').content"
+        )
+        got = requests.get(f"{base}/api/runs/{run}/answers", headers=HEADERS, timeout=5).json()["answers"]
+        assert [(a["query_id"], a["choice"]) for a in got][-1] == (ids[2], "undone")
+
+        page.keyboard.press("ArrowUp")  # answered again: a tie this time
+        page.wait_for_function(f"() => document.querySelector('#pairs').dataset.queryId === '{ids[3]}'", timeout=10_000)
+        page.wait_for_function(
+            "() => document.querySelector('#progress').textContent === 'Pair 4 of 4 in session 1 · 2 labelled in total, 1 skipped'",
+            timeout=10_000,
+        )
+        assert page.locator("button.choice.earlier").count() == 0
+    finally:
+        context.close()
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def test_the_run_panel_says_what_the_trainer_does_and_shows_the_agents_latest_clip(tmp_path, browser):
+    """While a pair is on screen the person sees whether the trainer waits for them or trains, at which step, the run's
+    labels so far, the reward model's agreement with them when the trainer reports it, and the newest evaluation clip
+    the trainer uploaded (through the real API), refreshed after each upload."""
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    proc = start_server(tmp_path / "data", port)
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    page = context.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    try:
+        run = make_run(base, "panel")
+        report(base, run, step=4000, phase="labelling", total_steps=100_000, session=1, session_size=3)
+        ids = upload_pairs(base, tmp_path, run, 1, ["v0", "v1", "v2"])
+        log_in(page, base)
+        page.fill("#annotator-input", "uma")
+        page.click("#name-save")
+        page.wait_for_function(f"() => document.querySelector('#pairs').dataset.queryId === '{ids[0]}'", timeout=10_000)
+        page.wait_for_function("() => document.querySelector('#run-state').dataset.phase === 'waiting'", timeout=10_000)
+        state = page.inner_text("#run-state")
+        assert state.startswith("Waiting for you: training is paused at step 4,000 of 100,000") and "0 labels so far" in state, state
+        assert page.is_hidden("#latest-eval")  # no evaluation yet
+
+        upload_evaluation(base, tmp_path, run, "eval_1000.mp4", 1000, 90)
+        page.wait_for_function("() => (document.querySelector('#latest-eval video').src || '').endsWith('/eval_1000.mp4')", timeout=10_000)
+        page.wait_for_function("() => document.querySelector('#latest-eval video').readyState >= 2", timeout=10_000)
+        assert page.is_visible("#latest-eval") and "step 1,000" in page.inner_text("#latest-eval figcaption")
+
+        page.keyboard.press("ArrowLeft")
+        report(base, run, step=5000, phase="training", total_steps=100_000, agreement={"uma": 0.8, "someone else": 0.1})
+        page.wait_for_function("() => document.querySelector('#run-state').dataset.phase === 'training'", timeout=10_000)
+        page.wait_for_function("() => document.querySelector('#run-state').textContent.includes('1 label so far')", timeout=10_000)
+        state = page.inner_text("#run-state")
+        assert state.startswith("Training: step 5,000 of 100,000") and "agrees with your answers on 80 % of pairs" in state, state
+        assert shown_query(page) == str(ids[1])  # all this while a pair is on screen
+
+        upload_evaluation(base, tmp_path, run, "eval_6000.mp4", 6000, 150)  # the next evaluation replaces it
+        page.wait_for_function("() => (document.querySelector('#latest-eval video').src || '').endsWith('/eval_6000.mp4')", timeout=10_000)
+        assert "step 6,000" in page.inner_text("#latest-eval figcaption")
+        assert errors == []
+    finally:
+        context.close()
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def test_a_second_tab_says_it_labels_as_the_same_person(server, browser):
+    context = browser.new_context(viewport={"width": 1100, "height": 800})
+    try:
+        first = context.new_page()
+        log_in(first, server["base"])
+        first.fill("#annotator-input", "tabby")
+        first.click("#name-save")
+        assert first.is_hidden("#other-tab")
+        second = context.new_page()  # the same browser: the same cookie, the same name
+        second.goto(server["base"] + "/")
+        for page in (first, second):
+            page.wait_for_selector("#other-tab", state="visible", timeout=10_000)
+            text = page.inner_text("#other-tab")
+            assert "open in another tab of this browser" in text and "as tabby" in text and "another browser" in text
+        second.close()
+        first.wait_for_selector("#other-tab", state="hidden", timeout=10_000)
+    finally:
+        context.close()
+
+
+def test_invite_someone_makes_a_one_time_link_for_another_browser(server, browser):
+    inviter = browser.new_context(viewport={"width": 1100, "height": 800})
+    guest = browser.new_context(viewport={"width": 1100, "height": 800})
+    try:
+        page = inviter.new_page()
+        log_in(page, server["base"])
+        page.fill("#annotator-input", "host")
+        page.click("#name-save")
+        page.click("#invite")
+        page.wait_for_selector("#invite-box", state="visible", timeout=10_000)
+        link = page.input_value("#invite-link")
+        assert link.startswith(f"{server['base']}/login?code=") and "within 24 h" in page.inner_text("#invite-box")
+        other = guest.new_page()
+        other.goto(link)
+        other.wait_for_url(server["base"] + "/")
+        other.wait_for_selector("#annotator-input", state="visible", timeout=10_000)  # in, with a name of their own to give
+        assert requests.get(link, timeout=5).status_code == 403  # used
+    finally:
+        inviter.close()
+        guest.close()

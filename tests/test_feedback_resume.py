@@ -1,4 +1,4 @@
-"""Labels across faults and resumes (issue 14, items 1, 3, 4, 5, 17): every label a person gives is kept exactly
+"""Labels across faults and resumes: every label a person gives is kept exactly
 once, a resumed session asks the pairs already on the server, a session's labels and its reward update are one unit
 in the checkpoint, a human run checkpoints after every session, and --feedback-async trains while people label.
 Real components: sac_rlhf.main, a feedback server it starts on a free port, a labeller thread posting over HTTP."""
@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 import torch
 from test_end_to_end import assert_same_training, final_state, scalars, small_args
-from test_human_feedback import free_port
+from test_human_feedback import free_port, run_token
 
 import sac_rlhf
+from cleanrlhf_utils import run as run_module
 from cleanrlhf_utils.feedback import CHOICE_LABELS, LabelLog, read_label_file
 
 requests = pytest.importorskip("requests")
@@ -37,9 +38,14 @@ class Labeller(threading.Thread):
         self.stop, self.posts = threading.Event(), 0
 
     def run(self):
+        http = requests.Session()  # with the token of the run's server, kept in its folder also for a resume
         while not self.stop.is_set():
             try:
-                query = requests.get(f"{self.base}/api/next", params={"annotator": "ann"}, timeout=5).json()
+                if "X-Feedback-Token" not in http.headers:
+                    if run_token() is None:  # the trainer has not started the server yet
+                        raise requests.ConnectionError
+                    http.headers["X-Feedback-Token"] = run_token()
+                query = http.get(f"{self.base}/api/next", params={"annotator": "ann"}, timeout=5).json()
             except requests.ConnectionError:  # the trainer has not started the server yet, or stopped it
                 time.sleep(0.05)
                 continue
@@ -51,7 +57,7 @@ class Labeller(threading.Thread):
                 return
             choice = CHOICES[query["query_id"] % 4]
             url = f"{self.base}/api/queries/{query['query_id']}/label"
-            assert requests.post(url, json={"choice": choice, "annotator": "ann"}, timeout=5).status_code == 201
+            assert http.post(url, json={"choice": choice, "annotator": "ann"}, timeout=5).status_code == 201
             self.posts += 1
             self.given[query["query_id"]] = choice
             self.answered_at.append(time.monotonic())
@@ -79,7 +85,6 @@ def human_args(run_name: str, base: str, **overrides) -> sac_rlhf.Args:
         teacher_feedback_mode="human",
         feedback_server_url=base,
         feedback_server_autostart=True,
-        feedback_poll_seconds=0.05,
         feedback_check_clips=0,
         teacher_feedback_total_queries=10,
         teacher_feedback_num_queries_per_session=5,
@@ -97,8 +102,9 @@ def human_args(run_name: str, base: str, **overrides) -> sac_rlhf.Args:
 
 
 def server_status(base: str, run: str) -> dict:
-    run_id = next(r["run_id"] for r in requests.get(f"{base}/api/runs", timeout=5).json()["runs"] if r["name"] == run)
-    return requests.get(f"{base}/api/runs/{run_id}/status", timeout=5).json()
+    headers = {"X-Feedback-Token": run_token()}
+    run_id = next(r["run_id"] for r in requests.get(f"{base}/api/runs", headers=headers, timeout=5).json()["runs"] if r["name"] == run)
+    return requests.get(f"{base}/api/runs/{run_id}/status", headers=headers, timeout=5).json()
 
 
 def log_rows(path: str) -> list[tuple]:
@@ -107,7 +113,7 @@ def log_rows(path: str) -> list[tuple]:
 
 
 def test_label_log_is_idempotent_and_opens_older_files(tmp_path):
-    """Item 1: the same session recorded twice (a resume re-reading the server's answers) is stored once; a
+    """The same session recorded twice (a resume re-reading the server's answers) is stored once; a
     labels.sqlite of an older version (no key, duplicated rows) opens, loses its duplicates, and takes new labels."""
     rng = np.random.default_rng(0)
     segments = {
@@ -151,19 +157,19 @@ def test_label_log_is_idempotent_and_opens_older_files(tmp_path):
 
 
 def test_resumed_session_asks_the_same_pairs_and_keeps_each_label_once(chdir_tmp, monkeypatch):
-    """Items 1, 3, 5. Ctrl-C with 2 of 5 pairs answered; the resumed run finishes that session with the pairs already
+    """Ctrl-C with 2 of 5 pairs answered; the resumed run finishes that session with the pairs already
     on the server (the 2 answers kept, 3 pairs still asked) and asks session 2. A human run checkpoints after every
     session. Resumed twice more from the exploration checkpoint (before session 1), the run re-reads every answer
     from the server: labels.sqlite keeps each label once."""
     base = f"http://127.0.0.1:{free_port()}"
     saved_at: list[tuple[str, int]] = []
-    real_save = sac_rlhf.save_checkpoint
+    real_save = run_module.save_checkpoint
 
     def save(folder, state, rb=None):
         saved_at.append((Path(folder).name, state["loop"]["global_step"]))
         real_save(folder, state, rb)
 
-    monkeypatch.setattr(sac_rlhf, "save_checkpoint", save)
+    monkeypatch.setattr(run_module, "save_checkpoint", save)  # every checkpoint of a run is written by cleanrlhf_utils.run
     first = Labeller(base, interrupt_after=2)
     first.start()
     with pytest.raises(KeyboardInterrupt):
@@ -202,7 +208,7 @@ def test_resumed_session_asks_the_same_pairs_and_keeps_each_label_once(chdir_tmp
 
 
 def test_interrupted_reward_update_is_redone_exactly(chdir_tmp, monkeypatch):
-    """Item 4: Ctrl-C while the reward model learns from session 1. The checkpoint holds the state from before the
+    """Ctrl-C while the reward model learns from session 1. The checkpoint holds the state from before the
     update (the session open with its labels); the resume redoes the update at the same step, asks session 2 at its
     own step, and ends exactly where an uninterrupted run ends."""
     short = {"total_timesteps": 800, "teacher_feedback_total_queries": 20, "teacher_feedback_schedule": "linear"}
@@ -226,7 +232,7 @@ def test_interrupted_reward_update_is_redone_exactly(chdir_tmp, monkeypatch):
 
 
 def test_feedback_async_trains_while_people_label(chdir_tmp):
-    """Item 17: with --feedback-async the run's steps advance while a slow labeller answers (every 0.4 s); each
+    """With --feedback-async the run's steps advance while a slow labeller answers (every 0.4 s); each
     session's labels are learned from once all are in, and every label given arrives exactly once."""
     base = f"http://127.0.0.1:{free_port()}"
     labeller = Labeller(base, seconds=0.4)
@@ -269,7 +275,7 @@ def slow_reward_updates(monkeypatch, script, seconds: float = 1.5) -> list[tuple
 
 
 def test_feedback_async_puts_the_next_pairs_up_before_the_reward_update(chdir_tmp, monkeypatch):
-    """Issue 26, part 4: a simulated person waited at every session boundary through the reward update, the
+    """A simulated person waited at every session boundary through the reward update, the
     relabel, the selection and the first clip (up to 40 s). With --feedback-async the next session's pairs, chosen by
     the model as it stood, go up before the update: the person gets session 2's first pair while the reward model
     still learns from session 1 (an update made 1.5 s slow here), and every answer still arrives exactly once."""

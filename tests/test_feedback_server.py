@@ -3,6 +3,7 @@ server process that is killed with SIGKILL and restarted on the same data direct
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import io
 import json
@@ -480,7 +481,7 @@ def test_next_leases_one_query_per_annotator_and_reassigns_expired(tmp_path):
     assert alice["query_id"] == q1 and bob["query_id"] == q2
     assert alice["left_url"] == f"/clips/{run_id}/c0a.mp4" and alice["right_url"] == f"/clips/{run_id}/c0b.mp4"
     assert alice["session"] == 1
-    assert alice["progress"] == {"session_labelled": 0, "session_total": 3, "total_labelled": 0}
+    assert alice["progress"] == {"session_answered": 0, "session_total": 3, "total_labelled": 0, "total_skipped": 0, "seq": 0}
     # the holder gets the same query back (page reload), others do not
     assert env.client.get("/api/next?annotator=alice").get_json()["query_id"] == q1
     # prefetch: alice keeps q1 and also leases q3
@@ -497,7 +498,7 @@ def test_next_leases_one_query_per_annotator_and_reassigns_expired(tmp_path):
 
     assert env.label(q1, "left", "carol").status_code == 201
     progress = env.client.get(f"/api/next?annotator=alice&exclude={q2}").get_json()["progress"]
-    assert progress == {"session_labelled": 1, "session_total": 3, "total_labelled": 1}
+    assert progress == {"session_answered": 1, "session_total": 3, "total_labelled": 1, "total_skipped": 0, "seq": 1}
 
 
 def test_next_waiting_run_filter_and_bad_params(env):
@@ -528,7 +529,7 @@ def test_label_create_repeat_edit_and_other_annotator(env):
     assert first.status_code == 201
     body = first.get_json()
     label_id = body["label_id"]
-    assert body["progress"] == {"session_labelled": 1, "session_total": 3, "total_labelled": 1}
+    assert body["progress"] == {"session_answered": 1, "session_total": 3, "total_labelled": 1, "total_skipped": 0, "seq": 1}
 
     before = env.snap()
     repeat = env.label(q1, "left", "alice")
@@ -758,14 +759,18 @@ def test_clips_are_served_only_from_the_data_dir(env, tmp_path):
 # ----------------------------------------------------------------------------- token
 
 
-def test_token_is_required_everywhere(tmp_path):
+def test_token_or_session_is_required_everywhere_and_never_taken_from_the_address(tmp_path):
     env = Env(tmp_path, token="s3cret")
     good = {"X-Feedback-Token": "s3cret"}
-    for path in ("/", "/api/config", "/api/runs", "/api/next?annotator=a", "/clips/1/a.mp4"):
-        assert_error(env.client.get(path), 401, "X-Feedback-Token")
+    for path in ("/api/config", "/api/runs", "/api/next?annotator=a", "/clips/1/a.mp4", "/static/js/main.js"):
+        assert_error(env.client.get(path), 401, "log in", "X-Feedback-Token")
         assert_error(env.client.get(path, headers={"X-Feedback-Token": "nope"}), 403, "wrong")
+        assert_error(env.client.get(path + ("&" if "?" in path else "?") + "token=s3cret"), 401, "log in")  # never from a URL
+    page = env.client.get("/?token=s3cret")  # a browser that is not logged in gets a page that says how to get in
+    assert page.status_code == 401 and page.mimetype == "text/html" and "feedback_session" not in page.headers.get("Set-Cookie", "")
+    assert "login link" in page.get_data(as_text=True) and '<form method="post" action="/login">' in page.get_data(as_text=True)
     before = env.snap()
-    assert_error(env.client.post("/api/runs", json={"name": "r"}), 401, "token")
+    assert_error(env.client.post("/api/runs", json={"name": "r"}), 401, "log in")
     assert_error(env.client.post("/api/runs", json={"name": "r"}, headers={"X-Feedback-Token": "nope"}), 403, "wrong")
     assert env.snap() == before
 
@@ -773,11 +778,43 @@ def test_token_is_required_everywhere(tmp_path):
     assert resp.status_code == 201
     run_id = resp.get_json()["run_id"]
     queries, files = batch("c", 1)
-    assert_error(upload(env.client, run_id, queries, files), 401, "token")
+    assert_error(upload(env.client, run_id, queries, files), 401, "log in")
     assert upload(env.client, run_id, queries, files, headers=good).status_code == 201
-    assert env.client.get("/?token=s3cret").status_code == 200
-    assert env.client.get(f"/clips/{run_id}/c0a.mp4?token=s3cret").get_data() == files["c0a.mp4"]
-    assert env.client.get("/api/next?annotator=a&token=s3cret").get_json()["query_id"] >= 1
+
+    # a one-time login code becomes a session cookie, which opens the page, the clips and the API, and holds no token
+    code_url = env.client.post("/api/login-codes", json={}, headers=good).get_json()["url"]
+    assert re.fullmatch(r"/login\?code=[\w-]{20,}", code_url)
+    browser = fs.create_app(env.data_dir, token="s3cret", clock=env.clock).test_client()
+    logged_in = browser.get(code_url)
+    assert logged_in.status_code == 200 and 'http-equiv="refresh"' in logged_in.get_data(as_text=True)
+    cookie = browser.get_cookie("feedback_session_80")
+    assert cookie is not None and cookie.http_only and cookie.same_site == "Strict" and "s3cret" not in cookie.value
+    assert browser.get("/").status_code == 200
+    assert browser.get(f"/clips/{run_id}/c0a.mp4").get_data() == files["c0a.mp4"]
+    assert browser.get("/api/next?annotator=a").get_json()["query_id"] >= 1
+    # the code is dead after its first use; a forged or foreign session cookie opens nothing
+    again = fs.create_app(env.data_dir, token="s3cret", clock=env.clock).test_client()
+    assert again.get(code_url).status_code == 403 and again.get_cookie("feedback_session_80") is None
+    again.set_cookie("feedback_session_80", cookie.value.rsplit(".", 1)[0] + ".00")
+    assert_error(again.get("/api/config"), 401, "log in")
+    other_token = fs.create_app(env.data_dir / "other", token="other", clock=env.clock).test_client()
+    other_token.set_cookie("feedback_session_80", cookie.value)
+    assert_error(other_token.get("/api/config"), 401, "log in")
+    # the login form takes the token itself (and a wrong one gets the page again)
+    form = fs.create_app(env.data_dir, token="s3cret", clock=env.clock).test_client()
+    assert form.post("/login", data={"token": "nope"}).status_code == 403
+    assert form.post("/login", data={"token": "s3cret"}).status_code == 200 and form.get("/api/config").status_code == 200
+
+
+def test_a_host_the_server_is_not_reached_by_is_refused(tmp_path):
+    env = Env(tmp_path, host_names=("feedback.example.org",))
+    for host in ("localhost:5001", "127.0.0.1:5001", "[::1]:5001", "10.1.2.3", "feedback.example.org", "FEEDBACK.example.org.:443"):
+        assert env.client.get("/api/config", headers={"Host": host}).status_code == 200, host
+    before = env.snap()
+    for host in ("evil.example:5001", "localhost.evil.example", "127.0.0.1.evil.example", ""):
+        assert_error(env.client.get("/api/config", headers={"Host": host}), 403, "--allowed-hosts")
+        assert_error(env.client.post("/api/runs", json={"name": "r"}, headers={"Host": host}), 403, "--allowed-hosts")
+    assert env.snap() == before
 
 
 # ----------------------------------------------------------------------------- command line
@@ -786,9 +823,10 @@ def test_token_is_required_everywhere(tmp_path):
 def test_cli_defaults_and_data_dir_relative_to_cwd(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     args = fs.parse_args([])
-    assert (args.host, args.port, args.playback_speed, args.lease_seconds, args.max_upload_mb) == ("127.0.0.1", 5001, 1.0, 60.0, 50.0)
+    assert (args.host, args.port, args.playback_speed, args.lease_seconds, args.max_upload_mb) == ("127.0.0.1", 5001, 1.0, 60.0, 16.0)
     assert args.data_dir == tmp_path.resolve() / "feedback_data"
     assert (args.token, args.no_ties, args.no_skip, args.no_editing) == (None, False, False, False)
+    assert (args.allowed_hosts, args.exit_with_parent) == ([], False)
 
 
 @pytest.mark.parametrize(
@@ -804,6 +842,8 @@ def test_cli_defaults_and_data_dir_relative_to_cwd(tmp_path, monkeypatch):
         (["--threads", "0"], ["'0'", "1 to 256"]),
         (["--threads", "1.5"], ["'1.5'", "1 to 256"]),
         (["--threads", "many"], ["'many'", "1 to 256"]),
+        (["--allowed-hosts", "http://x.org"], ["'http://x.org'", "without scheme or port"]),
+        (["--allowed-hosts", "x.org:80"], ["'x.org:80'", "without scheme or port"]),
     ],
 )
 def test_cli_rejects_bad_values_with_one_line(argv, fragments, capsys):
@@ -835,6 +875,71 @@ def test_cli_threads_default_and_bad_threads_in_a_real_process(tmp_path):
     assert not (tmp_path / "d").exists()
 
 
+def start_on_a_terminal(data_dir: Path, port: int, *extra: str) -> tuple[subprocess.Popen, list[str]]:
+    """The server started by hand: its stderr a terminal (a pty, read on until the server ends). Returns the process
+    and the lines it printed before serving."""
+    import pty
+    import threading
+
+    controller, terminal = pty.openpty()
+    env = {k: v for k, v in os.environ.items() if k != "FEEDBACK_SERVER_TOKEN"}
+    proc = subprocess.Popen(
+        [sys.executable, str(SERVER), "--port", str(port), "--data-dir", str(data_dir), *extra],
+        stderr=terminal,
+        stdout=subprocess.DEVNULL,
+        env=env,
+    )
+    os.close(terminal)
+    text, deadline = b"", time.monotonic() + 20
+    while b"Log in: " not in text or not text.endswith(b"\n"):
+        assert time.monotonic() < deadline and proc.poll() is None, text
+        text += os.read(controller, 4096)
+
+    def drain():  # the access log goes on to the terminal
+        with contextlib.suppress(OSError):
+            while os.read(controller, 4096):
+                pass
+        os.close(controller)
+
+    threading.Thread(target=drain, daemon=True).start()
+    return proc, text.decode().replace("\r\n", "\n").splitlines()
+
+
+def test_a_server_started_by_hand_makes_a_token_keeps_it_and_prints_a_login_link(tmp_path):
+    """No --token: the server makes one, keeps it in <data-dir>/token (mode 0600) for its restarts, says where it is,
+    and prints a one-time login link on its terminal. It answers to the names it is reached by and --allowed-hosts."""
+    requests = pytest.importorskip("requests")
+    data_dir, port = tmp_path / "data", free_port()
+    base = f"http://127.0.0.1:{port}"
+    proc, lines = start_on_a_terminal(data_dir, port, "--allowed-hosts", "feedback.example.org")
+    try:
+        token = (data_dir / "token").read_text().strip()
+        assert len(token) >= 32 and (data_dir / "token").stat().st_mode & 0o777 == 0o600
+        assert lines[0] == f"Feedback server on {base}/; data in {data_dir}"
+        assert lines[1] == f"Its token is in {data_dir / 'token'} (readable by you only): give it to a trainer as FEEDBACK_SERVER_TOKEN"
+        assert re.fullmatch(rf"Log in: {base}/login\?code=[\w-]+ \(works once, within 24 h\)", lines[2]) and token not in lines[2]
+        link = lines[2].split()[2]
+        assert requests.get(base + "/api/config", timeout=5).status_code == 401
+        browser = requests.Session()
+        assert browser.get(link, timeout=5).status_code == 200 and browser.get(base + "/api/config", timeout=5).status_code == 200
+        assert requests.get(link, timeout=5).status_code == 403
+        good = {"X-Feedback-Token": token}
+        for host, status in ((f"feedback.example.org:{port}", 200), (f"localhost:{port}", 200), (f"evil.example:{port}", 403)):
+            assert requests.get(base + "/api/config", headers=good | {"Host": host}, timeout=5).status_code == status, host
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=15) == 0
+    proc, lines = start_on_a_terminal(data_dir, port)  # restarted: the same token, a new link
+    try:
+        assert (data_dir / "token").read_text().strip() == token
+        assert requests.get(base + "/api/config", headers={"X-Feedback-Token": token}, timeout=5).status_code == 200
+        assert browser.get(base + "/api/config", timeout=5).status_code == 200  # still logged in
+        assert lines[2].split()[2] != link
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=15) == 0
+
+
 def test_cli_port_in_use_is_one_line_and_exit_1(tmp_path):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -860,6 +965,8 @@ def free_port() -> int:
 
 
 def start_server(data_dir: Path, *extra: str):
+    """A server process on data_dir, its address, and a requests session that sends its token (the one it made itself
+    and keeps in <data-dir>/token, unless --token is among ``extra``)."""
     requests = pytest.importorskip("requests")
     port = free_port()
     proc = subprocess.Popen(
@@ -875,21 +982,25 @@ def start_server(data_dir: Path, *extra: str):
             raise AssertionError(f"server exited with {proc.returncode}: {proc.stderr.read().decode()}")
         try:
             requests.get(base + "/api/config", timeout=1)
-            return proc, base
         except requests.ConnectionError:
             time.sleep(0.1)
+            continue
+        http = requests.Session()
+        http.headers["X-Feedback-Token"] = (
+            extra[extra.index("--token") + 1] if "--token" in extra else (data_dir / "token").read_text().strip()
+        )
+        return proc, base, http
     proc.kill()
     raise AssertionError("server did not start within 20 s")
 
 
 def test_real_server_survives_sigkill_without_losing_labels(tmp_path):
-    requests = pytest.importorskip("requests")
     data_dir = tmp_path / "data"
-    proc, base = start_server(data_dir)
+    proc, base, http = start_server(data_dir)
     try:
-        run_id = requests.post(base + "/api/runs", json={"name": "kill-test", "env_id": "Hopper-v5"}, timeout=5).json()["run_id"]
+        run_id = http.post(base + "/api/runs", json={"name": "kill-test", "env_id": "Hopper-v5"}, timeout=5).json()["run_id"]
         queries, files = batch("k", 4)
-        resp = requests.post(
+        resp = http.post(
             f"{base}/api/runs/{run_id}/queries",
             data={"queries": json.dumps(queries)},
             files=[("clips", (name, content, "video/mp4")) for name, content in files.items()],
@@ -897,30 +1008,30 @@ def test_real_server_survives_sigkill_without_losing_labels(tmp_path):
         )
         assert resp.status_code == 201
         ids = resp.json()["query_ids"]
-        assert requests.post(f"{base}/api/queries/{ids[0]}/label", json={"choice": "left", "annotator": "a"}, timeout=5).status_code == 201
-        assert requests.post(f"{base}/api/queries/{ids[1]}/label", json={"choice": "right", "annotator": "a"}, timeout=5).status_code == 201
-        read = requests.get(f"{base}/api/runs/{run_id}/answers", params={"after": 0}, timeout=5).json()
+        assert http.post(f"{base}/api/queries/{ids[0]}/label", json={"choice": "left", "annotator": "a"}, timeout=5).status_code == 201
+        assert http.post(f"{base}/api/queries/{ids[1]}/label", json={"choice": "right", "annotator": "a"}, timeout=5).status_code == 201
+        read = http.get(f"{base}/api/runs/{run_id}/answers", params={"after": 0}, timeout=5).json()
         assert [(x["query_id"], x["choice"]) for x in read["answers"]] == [(ids[0], "left"), (ids[1], "right")]
         cursor = read["cursor"]
         # acknowledged right before the kill: must survive too
-        assert requests.post(f"{base}/api/queries/{ids[2]}/label", json={"choice": "tie", "annotator": "b"}, timeout=5).status_code == 201
+        assert http.post(f"{base}/api/queries/{ids[2]}/label", json={"choice": "tie", "annotator": "b"}, timeout=5).status_code == 201
     finally:
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=10)
         proc.stderr.close()
     assert proc.returncode == -signal.SIGKILL
 
-    proc, base = start_server(data_dir)
+    proc, base, http = start_server(data_dir)
     try:
-        status = requests.get(f"{base}/api/runs/{run_id}/status", timeout=5).json()
+        status = http.get(f"{base}/api/runs/{run_id}/status", timeout=5).json()
         assert (status["queries"], status["labelled"], status["pending"]) == (4, 3, 1)
-        after = requests.get(f"{base}/api/runs/{run_id}/answers", params={"after": cursor}, timeout=5).json()
+        after = http.get(f"{base}/api/runs/{run_id}/answers", params={"after": cursor}, timeout=5).json()
         assert [(x["query_id"], x["choice"]) for x in after["answers"]] == [(ids[2], "tie")]
-        pending = requests.get(f"{base}/api/next", params={"annotator": "c"}, timeout=5).json()
+        pending = http.get(f"{base}/api/next", params={"annotator": "c"}, timeout=5).json()
         assert pending["query_id"] == ids[3]
-        assert requests.get(base + pending["left_url"], timeout=5).content == files["k3a.mp4"]
-        assert requests.post(f"{base}/api/queries/{ids[3]}/label", json={"choice": "skip", "annotator": "c"}, timeout=5).status_code == 201
-        final = requests.get(f"{base}/api/runs/{run_id}/answers", params={"after": after["cursor"]}, timeout=5).json()
+        assert http.get(base + pending["left_url"], timeout=5).content == files["k3a.mp4"]
+        assert http.post(f"{base}/api/queries/{ids[3]}/label", json={"choice": "skip", "annotator": "c"}, timeout=5).status_code == 201
+        final = http.get(f"{base}/api/runs/{run_id}/answers", params={"after": after["cursor"]}, timeout=5).json()
         assert [(x["query_id"], x["choice"]) for x in final["answers"]] == [(ids[3], "skip")]
         assert final["cursor"] > after["cursor"] > cursor
     finally:
@@ -930,12 +1041,11 @@ def test_real_server_survives_sigkill_without_losing_labels(tmp_path):
 
 
 def test_real_server_gives_each_query_to_one_annotator_under_concurrency(tmp_path):
-    requests = pytest.importorskip("requests")
-    proc, base = start_server(tmp_path / "data", "--lease-seconds", "600")
+    proc, base, http = start_server(tmp_path / "data", "--lease-seconds", "600")
     try:
-        run_id = requests.post(base + "/api/runs", json={"name": "concurrent"}, timeout=5).json()["run_id"]
+        run_id = http.post(base + "/api/runs", json={"name": "concurrent"}, timeout=5).json()["run_id"]
         queries, files = batch("p", 6)
-        resp = requests.post(
+        resp = http.post(
             f"{base}/api/runs/{run_id}/queries",
             data={"queries": json.dumps(queries)},
             files=[("clips", (name, content, "video/mp4")) for name, content in files.items()],
@@ -944,7 +1054,7 @@ def test_real_server_gives_each_query_to_one_annotator_under_concurrency(tmp_pat
         ids = resp.json()["query_ids"]
 
         def ask(i):
-            return requests.get(f"{base}/api/next", params={"annotator": f"person{i}"}, timeout=10).json()
+            return http.get(f"{base}/api/next", params={"annotator": f"person{i}"}, timeout=10).json()
 
         with ThreadPoolExecutor(max_workers=8) as pool:
             got = list(pool.map(ask, range(8)))
@@ -966,33 +1076,36 @@ def stop_server(proc: subprocess.Popen) -> str:
 
 def test_real_server_stops_cleanly_on_sigterm_and_logs_requests_without_the_token(tmp_path):
     requests = pytest.importorskip("requests")
-    proc, base = start_server(tmp_path / "data", "--token", "s3cret", "--threads", "1")
+    proc, base, http = start_server(tmp_path / "data", "--token", "s3cret", "--threads", "1")
     try:
-        assert requests.get(base + "/api/config", params={"token": "s3cret"}, timeout=5).status_code == 200
+        assert http.get(base + "/api/config", timeout=5).status_code == 200
         assert requests.get(base + "/api/runs", timeout=5).status_code == 401
+        login = http.post(base + "/api/login-codes", json={}, timeout=5).json()["url"]
+        assert requests.get(base + login, timeout=5).status_code == 200
     finally:
         err = stop_server(proc)
-    assert err.startswith(f"Feedback server on {base}/ (append ?token=<your token>); data in {tmp_path / 'data'}\n")
+    assert err.startswith(f"Feedback server on {base}/; data in {tmp_path / 'data'}\n")
+    assert not (tmp_path / "data" / "token").exists()  # a token given is never copied to a file
+    assert '"GET /login HTTP/1.1" 200 -' in err and login.split("=", 1)[1] not in err  # nor is a login code logged
     assert '"GET /api/config HTTP/1.1" 200 -' in err and '"GET /api/runs HTTP/1.1" 401 -' in err
     assert "s3cret" not in err
     assert err.endswith("Feedback server stopped\n")
 
 
 def test_real_server_answers_an_oversize_upload_with_the_json_413(tmp_path):
-    requests = pytest.importorskip("requests")
-    proc, base = start_server(tmp_path / "data", "--max-upload-mb", "1")
+    proc, base, http = start_server(tmp_path / "data", "--max-upload-mb", "1")
     try:
-        run_id = requests.post(base + "/api/runs", json={"name": "big"}, timeout=5).json()["run_id"]
+        run_id = http.post(base + "/api/runs", json={"name": "big"}, timeout=5).json()["run_id"]
         queries, files = batch("big", 1)
         files["big0a.mp4"] = fake_mp4("big") + b"\x00" * (3 * 1024 * 1024)
-        resp = requests.post(
+        resp = http.post(
             f"{base}/api/runs/{run_id}/queries",
             data={"queries": json.dumps(queries)},
             files=[("clips", (name, content, "video/mp4")) for name, content in files.items()],
             timeout=30,
         )
         assert resp.status_code == 413 and "--max-upload-mb" in resp.json()["error"]
-        assert requests.get(f"{base}/api/runs/{run_id}/status", timeout=5).json()["queries"] == 0
+        assert http.get(f"{base}/api/runs/{run_id}/status", timeout=5).json()["queries"] == 0
     finally:
         stop_server(proc)
 
@@ -1058,7 +1171,7 @@ CREATE INDEX IF NOT EXISTS tombstones_query ON label_tombstones (query_id);
 
 
 def write_old_data_dir(data_dir: Path) -> dict[str, bytes]:
-    """A data dir as the old server left it: three queries of run 1, one labelled 'left', one labelled
+    """A data dir as a server without the newer tables leaves it: three queries of run 1, one labelled 'left', one labelled
     'tie' and undone (a tombstone), one never labelled; one evaluation.  Returns the clips."""
     clips = {f"o{i}{side}.mp4": fake_mp4(f"o{i}{side}") for i in range(3) for side in "ab"}
     (data_dir / "clips" / "1").mkdir(parents=True)
@@ -1087,55 +1200,70 @@ def write_old_data_dir(data_dir: Path) -> dict[str, bytes]:
 
 
 def test_real_server_opens_an_old_schema_database_and_serves_its_labels(tmp_path):
-    requests = pytest.importorskip("requests")
     data_dir = tmp_path / "data"
     clips = write_old_data_dir(data_dir)
     con = sqlite3.connect(data_dir / "feedback.sqlite3")
     old_tables = con.execute("SELECT name, sql FROM sqlite_master ORDER BY name").fetchall()
     con.close()
 
-    proc, base = start_server(data_dir)
+    proc, base, http = start_server(data_dir)
     try:
-        runs = requests.get(base + "/api/runs", timeout=5).json()["runs"]
+        runs = http.get(base + "/api/runs", timeout=5).json()["runs"]
         assert [(r["run_id"], r["name"], r["env_id"]) for r in runs] == [(1, "old-run", "Hopper-v5")]
-        assert requests.get(base + "/api/runs/1", timeout=5).json()["meta"] == {"seed": 3}
-        status = requests.get(base + "/api/runs/1/status", timeout=5).json()
+        assert http.get(base + "/api/runs/1", timeout=5).json()["meta"] == {"seed": 3}
+        status = http.get(base + "/api/runs/1/status", timeout=5).json()
         assert (status["queries"], status["labelled"], status["pending"], status["choices"]["left"]) == (3, 1, 2, 1)
-        read = requests.get(base + "/api/runs/1/answers", params={"after": 0}, timeout=5).json()
+        read = http.get(base + "/api/runs/1/answers", params={"after": 0}, timeout=5).json()
         got = [(a["seq"], a["query_id"], a["choice"], a["session"], a["left_segment_id"]) for a in read["answers"]]
         assert got == [(1, 1, "left", "s1", 0), (3, 2, "undone", "s1", 10)] and read["cursor"] == 3
-        (evaluation,) = requests.get(base + "/api/runs/1/evaluations", timeout=5).json()["evaluations"]
+        (evaluation,) = http.get(base + "/api/runs/1/evaluations", timeout=5).json()["evaluations"]
         assert (evaluation["clip"], evaluation["predicted_return"], evaluation["step"]) == ("o0a.mp4", 4.5, 1000)
 
-        pending = requests.get(base + "/api/next", params={"annotator": "new"}, timeout=5).json()
-        assert pending["query_id"] == 2 and requests.get(base + pending["right_url"], timeout=5).content == clips["o1b.mp4"]
-        assert requests.post(base + "/api/queries/3/label", json={"choice": "right", "annotator": "new"}, timeout=5).status_code == 201
-        news = requests.get(base + "/api/runs/1/answers", params={"after": 3}, timeout=5).json()["answers"]
+        pending = http.get(base + "/api/next", params={"annotator": "new"}, timeout=5).json()
+        assert pending["query_id"] == 2 and http.get(base + pending["right_url"], timeout=5).content == clips["o1b.mp4"]
+        assert http.post(base + "/api/queries/3/label", json={"choice": "right", "annotator": "new"}, timeout=5).status_code == 201
+        news = http.get(base + "/api/runs/1/answers", params={"after": 3}, timeout=5).json()["answers"]
         assert [(a["seq"], a["query_id"], a["choice"], a["session"], a["right_segment_id"]) for a in news] == [(4, 3, "right", 2, "g21")]
     finally:
         stop_server(proc)
 
     con = sqlite3.connect(data_dir / "feedback.sqlite3")
     now = con.execute("SELECT name, sql FROM sqlite_master ORDER BY name").fetchall()
-    added = ("run_progress", "session_sizes", "sqlite_autoindex_session_sizes_1")  # the trainer's news (issue 14, items 12-13)
-    assert [t for t in now if t[0] not in added] == old_tables  # its tables as they were, not migrated
+    added = ("run_progress", "session_sizes", "sqlite_autoindex_session_sizes_1")  # the trainer's news
+    added += ("login_codes", "sqlite_autoindex_login_codes_1")
+    # its tables as they were, but for the kind of each evaluation clip (the old ones: reward checks)
+    assert [t for t in now if t[0] not in added and t[0] != "evaluations"] == [t for t in old_tables if t[0] != "evaluations"]
+    assert con.execute("SELECT clip, kind FROM evaluations").fetchall() == [("o0a.mp4", "check")]
     con.close()
 
 
-# ----------------------------------------------------------------------------- the trainer's news (issue 14, items 12, 13, 15)
+# ----------------------------------------------------------------------------- the trainer's news
 
 
 def test_progress_report_declares_session_size_and_is_shown_while_waiting(env):
     run = env.run()
     url = f"/api/runs/{run}/progress"
-    assert env.client.get(url).get_json() == {"run_id": run, "progress": None}
+    counts = {"trainer_seen_seconds": None, "pending": 0, "total_labelled": 0, "total_skipped": 0, "seq": 0}
+    assert env.client.get(url).get_json() == {"run_id": run, "progress": None, **counts}
     resp = env.client.post(url, json={"step": 400, "phase": "labelling", "session": 1, "session_size": 5})
     assert resp.status_code == 200, resp.get_json()
     (q1, _) = env.queries(run, n=2)  # two of the five uploaded so far: the session still has five pairs
     lease = env.client.get("/api/next?annotator=ann").get_json()
-    assert lease["query_id"] == q1 and lease["progress"] == {"session_labelled": 0, "session_total": 5, "total_labelled": 0}
+    assert lease["query_id"] == q1 and lease["progress"] == {
+        "session_answered": 0,
+        "session_total": 5,
+        "total_labelled": 0,
+        "total_skipped": 0,
+        "seq": 0,
+    }
     assert (lease["run_name"], lease["instructions"], lease["clip_seconds"]) == ("run-a", None, None)
-    assert env.label(q1, "left").get_json()["progress"] == {"session_labelled": 1, "session_total": 5, "total_labelled": 1}
+    assert env.label(q1, "left").get_json()["progress"] == {
+        "session_answered": 1,
+        "session_total": 5,
+        "total_labelled": 1,
+        "total_skipped": 0,
+        "seq": 1,
+    }
 
     env.clock.t += 30
     report = {"step": 900, "phase": "training", "total_steps": 10_000, "sessions_done": 1, "sessions_total": 3}
@@ -1147,6 +1275,78 @@ def test_progress_report_declares_session_size_and_is_shown_while_waiting(env):
     assert waiting["waiting"] is True and news == {"run_id": run, "run_name": "run-a", **report, "age_seconds": 0.0, "stale": False}
     env.clock.t += 121
     assert env.client.get(url).get_json()["progress"]["stale"] is True  # the trainer has not reported for two minutes
+
+
+def test_the_run_state_counts_labels_apart_from_skips_and_says_when_the_trainer_was_last_heard(env):
+    run = env.run()
+    q1, q2, q3 = env.queries(run, n=3)
+    url = f"/api/runs/{run}/progress"
+    assert env.label(q1, "left").status_code == 201 and env.label(q2, "skip").status_code == 201
+    state = env.client.get(url).get_json()
+    assert (state["total_labelled"], state["total_skipped"], state["pending"], state["trainer_seen_seconds"]) == (1, 1, 1, None)
+    undone = env.client.post(f"/api/queries/{q1}/undo", json={"annotator": "ann"}).get_json()
+    assert undone["undone_choice"] == "left"  # the page shows the person what they had answered
+    assert undone["query"]["progress"] == {"session_answered": 1, "session_total": 3, "total_labelled": 0, "total_skipped": 1, "seq": 3}
+    env.answers(run)  # the trainer reads answers: it is alive
+    env.clock.t += 7
+    state = env.client.get(url).get_json()
+    assert (state["total_labelled"], state["pending"], state["trainer_seen_seconds"], state["seq"]) == (0, 2, 7.0, 3)
+    report = {"step": 10, "phase": "training", "agreement": {"ann": 0.75, " bob ": 1}}
+    assert env.client.post(url, json=report).status_code == 200
+    state = env.client.get(url).get_json()
+    assert state["progress"]["agreement"] == {"ann": 0.75, "bob": 1.0} and state["trainer_seen_seconds"] == 0.0
+
+
+@pytest.mark.parametrize(
+    "agreement, fragment",
+    [
+        ([0.5], "must be an object"),
+        ({"ann": 1.5}, "share 1.5"),
+        ({"ann": True}, "share True"),
+        ({"": 0.5}, "annotator"),
+        ({"a": "x"}, "'x'"),
+    ],
+)
+def test_a_reported_agreement_is_a_share_per_annotator(env, agreement, fragment):
+    run = env.run()
+    before = env.snap()
+    assert_error(env.client.post(f"/api/runs/{run}/progress", json={"step": 1, "phase": "training", "agreement": agreement}), 400, fragment)
+    assert env.snap() == before
+
+
+def test_the_latest_evaluation_is_the_newest_by_step_then_upload(env):
+    run = env.run()
+    items = [{"clip": "e1.mp4", "predicted_return": 9.0, "step": 100}, {"clip": "e2.mp4", "predicted_return": 1.0, "step": 300}]
+    items.append({"clip": "e3.mp4", "predicted_return": 5.0, "step": 200})
+    assert eval_upload(env.client, run, items, {i["clip"]: fake_mp4(i["clip"]) for i in items}).status_code == 201
+    url = f"/api/runs/{run}/evaluations"
+    assert [e["clip"] for e in env.client.get(url + "?latest=1").get_json()["evaluations"]] == ["e2.mp4"]
+    later = [{"clip": "e4.mp4", "predicted_return": 0.0, "step": 300}]
+    assert eval_upload(env.client, run, later, {"e4.mp4": fake_mp4("e4")}).status_code == 201
+    assert [e["clip"] for e in env.client.get(url + "?latest=1").get_json()["evaluations"]] == ["e4.mp4"]
+    assert [e["clip"] for e in env.client.get(url).get_json()["evaluations"]] == ["e1.mp4", "e3.mp4", "e2.mp4", "e4.mp4"]
+    assert_error(env.client.get(url + "?latest=2"), 400, "latest='2'")
+
+
+def test_the_agents_evaluation_clips_are_the_latest_and_stay_out_of_the_reward_view(env):
+    """The trainer uploads two kinds of clip: reward checks (ranked in the reward view) and the start of an evaluation
+    episode (kind agent: what the agent does now, shown beside the pairs). The newest agent clip is the latest even
+    when a reward check of a later step came after it; an unknown kind is refused and nothing is stored."""
+    run = env.run()
+    items = [
+        {"clip": "c1.mp4", "predicted_return": 3.0, "step": 100},
+        {"clip": "a1.mp4", "predicted_return": 50.0, "step": 200, "kind": "agent"},
+    ]
+    items.append({"clip": "c2.mp4", "predicted_return": 1.0, "step": 300, "kind": "check"})
+    assert eval_upload(env.client, run, items, {i["clip"]: fake_mp4(i["clip"]) for i in items}).status_code == 201
+    url = f"/api/runs/{run}/evaluations"
+    (latest,) = env.client.get(url + "?latest=1").get_json()["evaluations"]
+    assert (latest["clip"], latest["kind"], latest["step"]) == ("a1.mp4", "agent", 200)
+    assert [e["clip"] for e in env.client.get(url).get_json()["evaluations"]] == ["c1.mp4", "c2.mp4"]
+    before = env.snap()
+    bad = [{"clip": "x.mp4", "predicted_return": 1.0, "step": 5, "kind": "movie"}]
+    assert_error(eval_upload(env.client, run, bad, {"x.mp4": fake_mp4("x")}), 400, "kind", "'movie'", "check, agent")
+    assert env.snap() == before
 
 
 def test_run_meta_gives_the_page_its_instructions_and_clip_length(env):

@@ -1,4 +1,4 @@
-"""The trainer's side of the feedback page (issue 14, items 13, 15, 16): its progress reaches the page without ever
+"""The trainer's side of the feedback page: its progress reaches the page without ever
 slowing or breaking training, the run's question and clips at the environment's real time and the page's size, and an
 autostarted server keeps its data in the run's folder. Real server processes, real SQLite, real rendering."""
 
@@ -15,6 +15,7 @@ from cleanrlhf_utils.feedback import FeedbackArgs, FeedbackClient, HumanTeacher,
 requests = pytest.importorskip("requests")
 imageio_ffmpeg = pytest.importorskip("imageio_ffmpeg")
 np = pytest.importorskip("numpy")
+TOKEN = "news-test-token"
 
 
 def free_port() -> int:
@@ -33,15 +34,17 @@ def wait_for(predicate, timeout: float = 10.0):
 
 def test_trainer_reports_its_progress_rate_limited_and_never_waits_for_an_absent_server(tmp_path):
     url = f"http://127.0.0.1:{free_port()}"
-    server = start_feedback_server(url, tmp_path / "server.log", data_dir=tmp_path / "data")
+    server = start_feedback_server(url, tmp_path / "server.log", TOKEN, data_dir=tmp_path / "data")
+    http = requests.Session()
+    http.headers["X-Feedback-Token"] = TOKEN
     try:
-        client = FeedbackClient(url)
+        client = FeedbackClient(url, TOKEN)
         run_id = client.create_run("news", "Hopper-v5", {})
         teacher = HumanTeacher(client, run_id, renderer=None, clip_dir=tmp_path, fps=30)
         teacher.total_steps, teacher.first_session_step, teacher.session_frequency = 100_000, 10_000, 5_000
         loop = SimpleNamespace(global_step=12_000, sessions_done=1)
         teacher.training_progress(loop.global_step, loop.sessions_done, 5)
-        progress = wait_for(lambda: requests.get(f"{url}/api/runs/{run_id}/progress", timeout=5).json()["progress"])
+        progress = wait_for(lambda: http.get(f"{url}/api/runs/{run_id}/progress", timeout=5).json()["progress"])
         assert (progress["step"], progress["phase"], progress["total_steps"]) == (12_000, "training", 100_000)
         assert (progress["sessions_done"], progress["sessions_total"], progress["next_session_step"]) == (1, 5, 15_000)
         assert progress["stale"] is False and "seconds_to_next_session" not in progress  # no speed measured yet
@@ -50,11 +53,11 @@ def test_trainer_reports_its_progress_rate_limited_and_never_waits_for_an_absent
         loop.global_step = 12_500  # within progress_seconds: not sent
         teacher.training_progress(loop.global_step, loop.sessions_done, 5)
         assert teacher.reporter.is_alive() is False
-        assert requests.get(f"{url}/api/runs/{run_id}/progress", timeout=5).json()["progress"]["step"] == 12_000
+        assert http.get(f"{url}/api/runs/{run_id}/progress", timeout=5).json()["progress"]["step"] == 12_000
         teacher.next_report = 0.0  # the next one is due: now with a measured speed and an estimate of the next session
         teacher.training_progress(loop.global_step, loop.sessions_done, 5)
         teacher.reporter.join(timeout=5)
-        progress = requests.get(f"{url}/api/runs/{run_id}/progress", timeout=5).json()["progress"]
+        progress = http.get(f"{url}/api/runs/{run_id}/progress", timeout=5).json()["progress"]
         assert progress["step"] == 12_500 and progress["steps_per_second"] > 0
         assert progress["seconds_to_next_session"] == pytest.approx(2_500 / progress["steps_per_second"], abs=0.11)  # both rounded
     finally:
@@ -89,10 +92,12 @@ def test_human_run_sends_its_question_renders_clips_at_real_time_and_page_size_a
     )
     run_dir = tmp_path / "runs" / "hop"
     teacher = connect_human_teacher(args, "hop", run_dir, tmp_path / "clips")
+    http = requests.Session()  # with the token the run made for the server it started, kept in the run's folder
+    http.headers["X-Feedback-Token"] = (run_dir / "feedback_token").read_text().strip()
     try:
         # item 16: the autostarted server's database is the run's own
         assert (run_dir / "feedback_data" / "feedback.sqlite3").is_file()
-        run = requests.get(f"{url}/api/runs/{teacher.run_id}", timeout=5).json()
+        run = http.get(f"{url}/api/runs/{teacher.run_id}", timeout=5).json()
         # item 15: the question, and clips at the environment's real time (Hopper: dt = 0.008 s, 125 steps a second)
         assert run["meta"]["instructions"] == "Which one hops further?"
         assert run["meta"]["clip_fps"] == pytest.approx(125.0) and run["meta"]["clip_seconds"] == pytest.approx(0.4)
@@ -117,10 +122,10 @@ def test_human_run_sends_its_question_renders_clips_at_real_time_and_page_size_a
         }
         segments["masks"] = np.ones((3, 2, 3), dtype=bool)
         query_ids = teacher.start(segments, 1)
-        progress = requests.get(f"{url}/api/runs/{teacher.run_id}/progress", timeout=5).json()["progress"]
+        progress = http.get(f"{url}/api/runs/{teacher.run_id}/progress", timeout=5).json()["progress"]
         assert (progress["phase"], progress["session"], progress["session_size"]) == ("labelling", 1, 3)
         wait_for(lambda: all(q is not None for q in query_ids), timeout=60)
-        lease = requests.get(f"{url}/api/next", params={"annotator": "a"}, timeout=5).json()
+        lease = http.get(f"{url}/api/next", params={"annotator": "a"}, timeout=5).json()
         assert lease["progress"]["session_total"] == 3 and lease["instructions"] == "Which one hops further?"
         teacher.finish()
     finally:

@@ -26,17 +26,32 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def run_token() -> str | None:
+    """The token a run in the current folder made for the server it started (runs/<run>/feedback_token; the newest if
+    several runs did), or None before any did."""
+    files = sorted(Path("runs").glob("*/feedback_token"), key=lambda path: path.stat().st_mtime)
+    return files[-1].read_text().strip() if files else None
+
+
 class ScriptedLabeller(threading.Thread):
-    """Answers every query it is given, cycling left / right / tie / skip by query id."""
+    """Answers every query it is given, cycling left / right / tie / skip by query id, with the token the run made for
+    its server (run_token); first checks that the server refuses a request without it."""
 
     def __init__(self, base: str):
         super().__init__(daemon=True)
         self.base, self.given, self.stop = base, {}, threading.Event()
+        self.refused_without_token = None
 
     def run(self):
+        http = requests.Session()
         while not self.stop.is_set():
             try:
-                query = requests.get(f"{self.base}/api/next", params={"annotator": "bot"}, timeout=5).json()
+                if "X-Feedback-Token" not in http.headers:
+                    if run_token() is None:  # the trainer has not made its token yet
+                        raise requests.ConnectionError
+                    self.refused_without_token = requests.get(f"{self.base}/api/next", params={"annotator": "x"}, timeout=5).status_code
+                    http.headers["X-Feedback-Token"] = run_token()
+                query = http.get(f"{self.base}/api/next", params={"annotator": "bot"}, timeout=5).json()
             except requests.ConnectionError:  # the trainer has not started the server yet
                 time.sleep(0.1)
                 continue
@@ -44,11 +59,9 @@ class ScriptedLabeller(threading.Thread):
                 time.sleep(0.1)
                 continue
             for side in ("left_url", "right_url"):  # the clips are served and are mp4s
-                assert requests.get(self.base + query[side], timeout=5).content[4:8] == b"ftyp"
+                assert http.get(self.base + query[side], timeout=5).content[4:8] == b"ftyp"
             choice = CHOICES[query["query_id"] % 4]
-            reply = requests.post(
-                f"{self.base}/api/queries/{query['query_id']}/label", json={"choice": choice, "annotator": "bot"}, timeout=5
-            )
+            reply = http.post(f"{self.base}/api/queries/{query['query_id']}/label", json={"choice": choice, "annotator": "bot"}, timeout=5)
             assert reply.status_code == 201, reply.text
             self.given[query["query_id"]] = choice
 
@@ -64,7 +77,6 @@ def test_human_mode_receives_exactly_the_labels_given_and_file_mode_reuses_them(
         teacher_feedback_mode="human",
         feedback_server_url=base,
         feedback_server_autostart=True,
-        feedback_poll_seconds=0.1,
         feedback_check_clips=2,
         teacher_feedback_total_queries=12,
         teacher_feedback_num_queries_per_session=6,
@@ -95,6 +107,13 @@ def test_human_mode_receives_exactly_the_labels_given_and_file_mode_reuses_them(
     assert [(pair["session"], pair["pair"]) for pair in shown] == [(s, i) for s in (1, 2) for i in range(6)]
     assert all("left_objective_return" not in pair and pair["left_env_return"] != pair["right_env_return"] for pair in shown)
 
+    # The server was started by the trainer with a token of its own (no token was given): kept for a resume in the
+    # run's folder, readable by its owner only, never in args.json or the server's log; the server refused the labeller
+    # until it sent it.
+    token = Path("runs/human/feedback_token").read_text().strip()
+    assert len(token) >= 32 and Path("runs/human/feedback_token").stat().st_mode & 0o777 == 0o600
+    assert labeller.refused_without_token == 401
+    assert token not in Path("runs/human/args.json").read_text() and token not in Path("runs/human/feedback_server.log").read_text()
     # The server was started by the trainer, logged to the run and stopped at the end.
     assert Path("runs/human/feedback_server.log").is_file()
     with pytest.raises(requests.ConnectionError):
@@ -102,10 +121,13 @@ def test_human_mode_receives_exactly_the_labels_given_and_file_mode_reuses_them(
 
     # After each reward update, 2 clips with the reward model's predicted return (the check view).
     with sqlite3.connect("runs/human/feedback_data/feedback.sqlite3") as db:  # the autostarted server's data: the run's own
-        checks = db.execute("SELECT clip, predicted_return, step FROM evaluations ORDER BY id").fetchall()
+        checks = db.execute("SELECT clip, predicted_return, step FROM evaluations WHERE kind = 'check' ORDER BY id").fetchall()
+        agent = db.execute("SELECT clip, step FROM evaluations WHERE kind = 'agent'").fetchall()
     assert [step for _, _, step in checks] == [400, 400, 700, 700]
     assert all(Path("runs/human/feedback_data/clips").rglob(clip) for clip, _, _ in checks)
     assert len({round(value, 6) for _, value, _ in checks}) > 1
+    # and the start of the final evaluation's episode: what the agent does now, beside the pairs
+    assert agent == [("run1_eval_800.mp4", 800)]
 
     # The labels with their segments are in runs/human/labels.sqlite ...
     with sqlite3.connect("runs/human/labels.sqlite") as db:

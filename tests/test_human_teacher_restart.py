@@ -3,6 +3,7 @@ waiting (its client retries), the server is restarted on the same port and data 
 ends with exactly the labels people gave before and after the restart. Plus FeedbackClient's errors:
 an unreachable server and a 4xx answer."""
 
+import os
 import re
 import signal
 import socket
@@ -22,6 +23,7 @@ from cleanrlhf_utils.feedback import CHOICE_LABELS, FeedbackClient, FeedbackServ
 
 SERVER = Path(__file__).resolve().parents[1] / "humanFeedback" / "feedback_server.py"
 ENV_ID = "Hopper-v5"
+TOKEN = "restart-test-token"
 
 
 def free_port() -> int:
@@ -33,9 +35,12 @@ def free_port() -> int:
 def start_server(port: int, data_dir: Path, log: Path) -> subprocess.Popen:
     with open(log, "ab") as out:
         process = subprocess.Popen(
-            [sys.executable, str(SERVER), "--port", str(port), "--data-dir", str(data_dir)], stdout=out, stderr=subprocess.STDOUT
+            [sys.executable, str(SERVER), "--port", str(port), "--data-dir", str(data_dir)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "FEEDBACK_SERVER_TOKEN": TOKEN},
         )
-    probe = FeedbackClient(f"http://127.0.0.1:{port}", retry_seconds=0, timeout=2)
+    probe = FeedbackClient(f"http://127.0.0.1:{port}", TOKEN, retry_seconds=0, timeout=2)
     deadline = time.monotonic() + 20
     while not probe.alive():
         if process.poll() is not None or time.monotonic() > deadline:
@@ -82,7 +87,7 @@ class GatedRenderer(SegmentRenderer):
 
 def answer_next(base: str, choice: str, timeout: float = 20.0) -> tuple[int, int]:
     """Like a person at the page: take the next pair, play both clips, answer. Returns (query id, pair index)."""
-    client = FeedbackClient(base, retry_seconds=10, timeout=5)
+    client = FeedbackClient(base, TOKEN, retry_seconds=10, timeout=5)
     deadline = time.monotonic() + timeout
     while True:
         query = client.request("GET", "/api/next?annotator=bot")
@@ -91,7 +96,7 @@ def answer_next(base: str, choice: str, timeout: float = 20.0) -> tuple[int, int
         assert time.monotonic() < deadline, "no pair became available"
         time.sleep(0.05)
     for side in ("left_url", "right_url"):
-        with urllib.request.urlopen(base + query[side], timeout=5) as response:
+        with urllib.request.urlopen(urllib.request.Request(base + query[side], headers={"X-Feedback-Token": TOKEN}), timeout=5) as response:
             assert response.read()[4:8] == b"ftyp"
     reply = client.request("POST", f"/api/queries/{query['query_id']}/label", json_body={"choice": choice, "annotator": "bot"})
     assert reply["choice"] == choice
@@ -107,7 +112,7 @@ def test_label_session_survives_a_server_restart(chdir_tmp):
     renderer = GatedRenderer(ENV_ID, 64, 48, free_clips=4)  # pairs 0 and 1 before the crash
     result: dict = {}
     try:
-        client = FeedbackClient(base, retry_seconds=60, timeout=5)
+        client = FeedbackClient(base, TOKEN, retry_seconds=60, timeout=5)
         run_id = client.create_run("restart", ENV_ID, {"segment_length": 5})
         teacher = HumanTeacher(client, run_id, renderer, chdir_tmp / "clips", fps=30, poll_seconds=0.05)
         upload_calls: list[float] = []
@@ -172,12 +177,12 @@ def test_client_errors_unreachable_server_and_4xx(chdir_tmp):
     url = f"http://127.0.0.1:{port}"
     start = time.monotonic()
     with pytest.raises(FeedbackServerError, match=re.escape(url)):
-        FeedbackClient(url, retry_seconds=1).request("GET", "/api/config")
+        FeedbackClient(url, TOKEN, retry_seconds=1).request("GET", "/api/config")
     assert time.monotonic() - start < 3
 
     server = start_server(port, chdir_tmp / "feedback_data", chdir_tmp / "server.log")
     try:
-        client = FeedbackClient(url, retry_seconds=60)
+        client = FeedbackClient(url, TOKEN, retry_seconds=60)
         start = time.monotonic()
         with pytest.raises(FeedbackServerError, match="HTTP 404") as error:
             client.answers(999, 0)

@@ -1,4 +1,4 @@
-"""toolbox/labels.py (issue 14, item 18): label stores listed, merged without duplicates, exported and imported back
+"""toolbox/labels.py: label stores listed, merged without duplicates, exported and imported back
 unchanged, and Cohen's kappa on pairs labelled by two people, on real label logs and a real server database."""
 
 import importlib.util

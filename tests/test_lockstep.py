@@ -21,66 +21,42 @@ FRAMEWORK_DIR = Path(__file__).resolve().parents[1] / "framework"
 LOCKSTEP = [
     "PreferenceArgs",
     "validate_preference_args",
-    "EnsembleLinear",
-    "ensemble_mlp",
     "RewardEnsemble",
     "bradley_terry_loss",
-    "mistake_aware_loss",
     "preference_probabilities",
     "disagreement_scores",
     "entropy_scores",
     "predict_rewards",
+    "predict_reward_arrays",
     "relabel_replay_buffer",
-    "RewardStandardizer",
-    "judged_rewards",
-    "reward_correlation",
-    "segment_correlation",
-    "reward_scale",
     "PreferenceBuffer",
     "preference_accuracy",
     "select_queries",
     "session_pairs",
-    "SyntheticTeacher",
-    "make_teacher",
-    "show_reward_model",
     "feedback_schedule",
-    "LabelFilter",
-    "mean_preference",
-    "teacher_mistakes",
-    "warm_start_reward_model",
+    "reward_epoch",
     "train_reward_model",
     "temporal_crop_masks",
     "crop_segments",
     "pseudo_labels",
     "surf_loss",
-    "fresh_pair_accuracy",
     "reward_model_metrics",
     "knn_state_entropy",
     "rune_beta",
 ]
+# Module constants of the copied block, compared by value.
+LOCKSTEP_CONSTANTS = ["PREFERENCE_RANGES", "RELABEL_CHUNK"]
 # Defined in both scripts under the same name, but each algorithm's own.
-ALGORITHM_SPECIFIC = {"Args", "LoopState", "main", "make_env", "validate_args"}
+ALGORITHM_SPECIFIC = {"Args", "LoopState", "main", "make_env", "validate_args", "exploration_rewards", "reset_after_session"}
 
 # SAC as the baseline sac.py and PEBBLE (sac_rlhf.py) both run it: a comparison measures preferences, nothing else.
-SAC_COPY = [
-    "SACArgs",
-    "validate_sac_args",
-    "check_sac_actions",
-    "make_env",
-    "EnsembleLinear",
-    "ensemble_mlp",
-    "TwinQNetwork",
-    "Actor",
-    "adam",
-    "SACAgent",
-]
+SAC_COPY = ["SACArgs", "validate_sac_args", "check_sac_actions", "make_env", "TwinQNetwork", "Actor", "adam", "SACAgent"]
 # What each baseline and its preference-learning script define under one name but differently (the baseline's own).
 BASELINE_SPECIFIC = {"sac": {"Args", "LoopState", "main"}, "ppo": {"Args", "main"}}
 # PPO as the baseline ppo.py and PrefPPO (pref_ppo.py) both run it.
 PPO_COPY = [
     "PPOArgs", "validate_ppo_args", "check_ppo_actions", "make_env", "make_vector_env", "layer_init", "ppo_mlp", "Agent",
-    "env_actions", "reward_action_dim", "encode_actions", "PPOPolicy", "load_policy", "RolloutBuffer", "ObservationNormalizer",
-    "ReturnNormalizer", "EpisodeTracker", "collect_rollout", "rollout_values", "compute_gae", "ppo_update", "train_on_rollout",
+    "env_actions", "reward_action_dim", "encode_actions", "RolloutBuffer", "collect_rollout", "rollout_values", "compute_gae", "ppo_update", "train_on_rollout",
     "set_learning_rate",
 ]  # fmt: skip
 PAIRS = {"sac": (sac_rlhf, sac, SAC_COPY), "ppo": (pref_ppo, ppo, PPO_COPY)}
@@ -104,6 +80,11 @@ def copies_differ(name: str, first, second) -> str:
 def test_the_copies_in_both_scripts_are_identical(name):
     diff = copies_differ(name, sac_rlhf, pref_ppo)
     assert not diff, f"{name} differs between the scripts; change both copies:\n{diff}"
+
+
+@pytest.mark.parametrize("name", LOCKSTEP_CONSTANTS)
+def test_the_copied_constants_are_equal(name):
+    assert getattr(sac_rlhf, name) == getattr(pref_ppo, name), f"{name} differs between the scripts; change both copies"
 
 
 @pytest.mark.parametrize(("baseline", "name"), [(b, name) for b, (_, _, names) in PAIRS.items() for name in names])

@@ -147,7 +147,7 @@ def startup_line(stdout: str) -> tuple[str, str]:
 @pytest.mark.parametrize(("stop", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["ctrl-c", "sigterm"])
 def test_ctrl_c_prints_the_command_that_resumes_the_run(tmp_path, stop, code):
     """Ctrl-C, and SIGTERM as SLURM sends it at a job's time limit or a preemption, both save the run and say how to
-    resume it (SIGTERM used to kill it with only the last periodic checkpoint, and orphan an autostarted server)."""
+    resume it (killed on the spot, it would keep only its last periodic checkpoint and orphan an autostarted server)."""
     script = REPO / "framework/sac_rlhf.py"
     env = os.environ | {"WANDB_MODE": "offline"}
     # A terminal delivers Ctrl-C to a run whose SIGINT is at its default. A suite started in the background by a

@@ -1,4 +1,4 @@
-"""bench/novel_behaviours.py (issue 26, part 3): each preference run on a behaviour's objective is set against SAC
+"""bench/novel_behaviours.py: each preference run on a behaviour's objective is set against SAC
 trained on that objective as its reward, same seed and steps, and the ratio is read from the two runs' summaries."""
 
 import json
@@ -42,6 +42,10 @@ def test_the_backflip_bench_runs_sac_on_the_objective_beside_each_preference_run
     assert row["ceiling_objective_return"] == ceiling["final_objective_return"]
     assert row["ceiling_objective_success"] == ceiling["final_objective_success"]
     assert row["objective_return"] == preference["final_objective_return"] and row["labels"] == 4
+    # beside the torso-height counter's flips, the landed ones, for both runs and over their evaluations
+    assert row["objective_landed_backflips"] == preference["final_objective_landed_backflips"]
+    assert row["ceiling_objective_landed_backflips"] == ceiling["final_objective_landed_backflips"]
+    assert [step for step, _ in row["ceiling_objective_landed_backflips_curve"]] == [300, 600]
     assert row["return_ratio"] == pytest.approx(preference["final_objective_return"] / ceiling["final_objective_return"])
     assert "--explore-steps 200" in report["command"] and "--queries-per-session 2" in report["command"]
     # The evaluations over the run, from TensorBoard: the last is the summary's final one; two are too few for a last-3 mean.
@@ -144,8 +148,9 @@ def test_a_run_is_reused_only_where_every_flag_it_would_be_started_with_agrees()
 
 
 def test_a_setting_that_acts_only_with_another_defence_does_not_keep_a_run_from_being_reused():
-    """rime's flags compute nothing without --robust-labels rime: an oracle run recorded while --rime-warm-start-steps
-    defaulted to 1000 is the run the same flags start today (default 0), and resumes as it; a rime run is not."""
+    """A defence's settings compute nothing in a run without it: an oracle run that recorded --rime-warm-start-steps
+    1000 (every defence's settings were once recorded by every run) is the run the same flags start today, and resumes as
+    it; a RIME run (sac_rlhf_rime.py) with another warm start is not."""
     sys.path.insert(0, str(REPO / "bench"))
     from common import started_with
 
@@ -153,11 +158,12 @@ def test_a_setting_that_acts_only_with_another_defence_does_not_keep_a_run_from_
     recorded |= {"robust_label_epsilon": 0.3}
     flags = ["--env-id", "Hopper-v5", "--seed", "2"]
     assert started_with("sac_rlhf.py", flags, recorded)
-    rime = recorded | {"robust_labels": "rime"}
-    assert not started_with("sac_rlhf.py", [*flags, "--robust-labels", "rime"], rime)  # the warm start acts there
-    assert started_with("sac_rlhf.py", [*flags, "--robust-labels", "rime", "--rime-warm-start-steps", "1000"], rime)
-    smooth = recorded | {"robust_labels": "smooth"}
-    assert not started_with("sac_rlhf.py", [*flags, "--robust-labels", "smooth"], smooth)  # epsilon 0.3, not 0.1
+    rime = {"exp_name": "sac_rlhf_rime", "seed": 2, "env_id": "Hopper-v5", "rime_warm_start_steps": 1000}
+    assert not started_with("sac_rlhf_rime.py", flags, rime)  # the warm start acts there
+    assert started_with("sac_rlhf_rime.py", [*flags, "--rime-warm-start-steps", "1000"], rime)
+    mistake_aware = {"exp_name": "sac_rlhf_mistake_aware", "seed": 2, "env_id": "Hopper-v5", "label_mistake_rate": 0.3}
+    assert not started_with("sac_rlhf_mistake_aware.py", flags, mistake_aware)  # 0.3, not the default 0.1
+    assert started_with("sac_rlhf_mistake_aware.py", [*flags, "--label-mistake-rate", "0.3"], mistake_aware)
 
 
 def test_only_a_run_that_ran_to_its_end_is_reused(tmp_path):

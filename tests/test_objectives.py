@@ -15,6 +15,7 @@ from cleanrlhf_utils import objectives
 from cleanrlhf_utils.buffers import ReplayBuffer
 from cleanrlhf_utils.envs import get_physics_state, make_env
 from cleanrlhf_utils.errors import ConfigError
+from cleanrlhf_utils.feedback import SyntheticTeacher
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO_ROOT / "examples" / "objectives"
@@ -116,7 +117,7 @@ def test_labels_prefer_the_segment_that_does_more_of_the_objective(algo):
         "physics_states": hopper_states(pitch, np.repeat(rates[..., None], length, axis=-1)),
     }
     rb = ReplayBuffer(10, obs_dim, action_dim, 13)
-    teacher = algo.SyntheticTeacher(-1.0, 1.0, 0.0, 0.0, 0.0, seed=0, rb=rb, objective=objectives.OBJECTIVES["hopper-backflip"])
+    teacher = SyntheticTeacher(-1.0, 1.0, 0.0, 0.0, 0.0, seed=0, rb=rb, objective=objectives.OBJECTIVES["hopper-backflip"])
     labels, annotators = teacher.label(segments, 1)
     backward_second = -rates[:, 1] > -rates[:, 0]
     assert labels.tolist() == backward_second.astype(np.float32).tolist()
@@ -215,7 +216,11 @@ def test_a_users_objective_brings_its_settings_and_defaults(monkeypatch, tmp_pat
 @pytest.mark.parametrize(
     ("env_id", "name", "message"),
     [
-        ("Hopper-v5", "backflip", "is not a built-in objective (known: hopper-backflip, hopper-backflip-upright, ant-raise-leg"),
+        (
+            "Hopper-v5",
+            "backflip",
+            "is not a built-in objective (known: hopper-backflip, hopper-backflip-upright, hopper-landed-backflip, ant-raise-leg",
+        ),
         ("Hopper-v5", "no_such_module_xyz:f", "module no_such_module_xyz does not import (ModuleNotFoundError"),
         ("Hopper-v5", "my_objective:missing", "module my_objective has no function missing"),
         ("Hopper-v5", "my_objective:HOPPER_NQ", "has no function HOPPER_NQ"),

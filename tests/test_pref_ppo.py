@@ -17,22 +17,15 @@ import pytest
 import torch
 from test_end_to_end import final_state, scalars
 
+import ppo
 import pref_ppo
 from cleanrlhf_utils.envs import set_physics_state
 from cleanrlhf_utils.feedback import CHOICE_LABELS
+from cleanrlhf_utils.training import NormalizedPolicy
 
 CPU = torch.device("cpu")
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RANDOM_CARTPOLE_RETURN = 22  # mean return of uniformly random actions on CartPole-v1
-
-
-@pytest.fixture(autouse=True)
-def _single_thread():
-    # The machine is small and shared, the networks tiny; one thread also keeps runs bitwise reproducible.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 # ----------------------------------------------------------------------------------------
@@ -128,7 +121,8 @@ def filled_rollout(rng, num_steps=7, num_envs=3, obs_dim=3, action_dim=2):
     return rollout
 
 
-def test_relabel_rollout_is_the_reward_model_prediction_plus_rune():
+def test_relabel_rollout_is_the_reward_model_prediction_plus_rune(monkeypatch):
+    monkeypatch.setattr(pref_ppo, "RELABEL_CHUNK", 5)  # 21 steps: chunks of 5 and a remainder
     torch.manual_seed(0)
     rollout = filled_rollout(np.random.default_rng(0))
     assert (~rollout.valid).any()
@@ -136,7 +130,7 @@ def test_relabel_rollout_is_the_reward_model_prediction_plus_rune():
     model.train()
     beta = 0.3
     true_before = rollout.true_rewards.copy()
-    pref_ppo.relabel_rollout(model, rollout, CPU, chunk_size=5, beta=beta)  # 21 steps: chunks of 5 and a remainder
+    pref_ppo.relabel_rollout(model, rollout, CPU, beta=beta)
     assert model.training
 
     model.eval()
@@ -152,7 +146,8 @@ def test_relabel_rollout_is_the_reward_model_prediction_plus_rune():
 
     # Dropout does not leak into the rewards (eval mode): the same again, in one chunk; without RUNE, the mean only.
     rewards = rollout.rewards.copy()
-    pref_ppo.relabel_rollout(model, rollout, CPU, chunk_size=1000, beta=beta)
+    monkeypatch.setattr(pref_ppo, "RELABEL_CHUNK", 1000)
+    pref_ppo.relabel_rollout(model, rollout, CPU, beta=beta)
     np.testing.assert_array_equal(rollout.rewards, rewards)
     pref_ppo.relabel_rollout(model, rollout, CPU, beta=0.0)
     np.testing.assert_array_equal(rollout.rewards, rollout.learned_rewards)
@@ -253,14 +248,9 @@ def cartpole_args(run_name: str, **overrides) -> pref_ppo.Args:
 @pytest.fixture(scope="module")
 def cartpole_run(tmp_path_factory):
     folder = tmp_path_factory.mktemp("cartpole")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with pytest.MonkeyPatch.context() as monkeypatch:
-            monkeypatch.chdir(folder)
-            summary = pref_ppo.main(cartpole_args("cartpole"))
-    finally:
-        torch.set_num_threads(threads)
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.chdir(folder)
+        summary = pref_ppo.main(cartpole_args("cartpole"))
     return folder, summary
 
 
@@ -286,7 +276,7 @@ def test_observation_normalisation_is_saved_and_applied_by_evaluation(cartpole_r
     stats = checkpoint["obs_normalizer"]
     assert stats["count"] > 20_000 and np.all(stats["var"] > 0) and np.abs(stats["var"] - 1).max() > 0.5  # learned, not identity
 
-    policy, env_id = pref_ppo.load_policy(folder / "models/cartpole/latest")
+    policy, env_id = ppo.load_policy(folder / "models/cartpole/latest")
     assert env_id == "CartPole-v1" and policy.normalize_obs
     np.testing.assert_array_equal(policy.obs_mean.numpy(), stats["mean"])
     np.testing.assert_array_equal(policy.obs_var.numpy(), stats["var"])
@@ -303,7 +293,7 @@ def test_observation_normalisation_is_saved_and_applied_by_evaluation(cartpole_r
     returns = pref_ppo.evaluate_policy(policy, env_id, 5, 1 + 100_000, CPU)
     assert np.mean(returns) == pytest.approx(summary["final_eval_return"])
     with pytest.raises(pref_ppo.ConfigError, match="no checkpoint there"):
-        pref_ppo.load_policy(folder / "models/nope/latest")
+        ppo.load_policy(folder / "models/nope/latest")
 
 
 @pytest.mark.parametrize("module", ["pref_ppo", "ppo"])
@@ -317,7 +307,7 @@ def test_the_evaluation_policy_runs_where_the_agent_is(module):
     space = gym.spaces.Box(-1.0, 1.0, (2,), np.float32)
     normalizer = script.ObservationNormalizer(3)
     normalizer.update(np.random.default_rng(0).normal(size=(10, 3)))
-    policy = script.PPOPolicy(script.Agent(3, space).to("meta"), normalizer)
+    policy = NormalizedPolicy(script.Agent(3, space).to("meta"), normalizer)
     assert policy.obs_mean.device.type == "meta"
     assert policy.deterministic_action(torch.zeros(1, 3)).device.type == "meta"
 
@@ -344,7 +334,7 @@ def test_ppo_baseline_learns_cartpole_from_the_true_reward(chdir_tmp):
     assert summary["final_eval_return"] >= 100 > 4 * RANDOM_CARTPOLE_RETURN, summary
     tags = scalars(Path("runs/base"))
     assert {"charts/episodic_return", "losses/value_loss", "losses/policy_loss", "losses/approx_kl", "eval/mean_return"} <= set(tags)
-    policy, env_id = pref_ppo.load_policy("models/base/latest")
+    policy, env_id = ppo.load_policy("models/base/latest")
     returns = pref_ppo.evaluate_policy(policy, env_id, 5, 1 + 100_000, CPU)
     assert np.mean(returns) == pytest.approx(summary["final_eval_return"])
 
@@ -471,7 +461,7 @@ def assert_same_training(a: dict, b: dict) -> None:
     assert torch.equal(a["checkpoint"]["torch_rng"], b["checkpoint"]["torch_rng"])
 
 
-def test_interrupt_resume_and_exploration_load_continue_exactly(chdir_tmp, monkeypatch):
+def test_interrupt_resume_and_exploration_from_continue_exactly(chdir_tmp, monkeypatch):
     pref_ppo.main(hopper_args("whole"))
     uninterrupted = final_state("whole")
 
@@ -513,21 +503,14 @@ def test_interrupt_resume_and_exploration_load_continue_exactly(chdir_tmp, monke
     assert_same_training(uninterrupted, final_state("late"))
 
     # Start from the exploration checkpoint the uninterrupted run saved after 1024 steps.
-    pref_ppo.main(
-        hopper_args(
-            "loaded",
-            exploration_load=True,
-            path_to_model="models/whole/1024/checkpoint.pt",
-            path_to_replay_buffer="models/whole/1024/replay_buffer.npz",
-        )
-    )
+    pref_ppo.main(hopper_args("loaded", exploration_from="models/whole/1024"))
     assert_same_training(uninterrupted, final_state("loaded"))
 
 
 def test_a_signal_during_an_evaluation_stops_after_it_and_resumes_exactly(chdir_tmp):
-    """SIGTERM (SLURM's time limit, bench's stop) in the middle of the evaluation at 1024 steps: the iteration was
-    complete, so the checkpoint used to record 1024 without the evaluation, and the resumed run's curve skipped it.
-    The run now finishes the evaluation, stops at the iteration boundary, and resumed is the uninterrupted run."""
+    """SIGTERM (SLURM's time limit, bench's stop) in the middle of the evaluation at 1024 steps, after the iteration was
+    complete: the run finishes the evaluation (a checkpoint at 1024 without it would leave a gap in the resumed run's
+    curve), stops at the iteration boundary, and resumed is the uninterrupted run."""
     from cleanrlhf_utils.cli import RunInterrupted
 
     pref_ppo.main(hopper_args("whole", evaluation_frequency=512))
@@ -551,7 +534,7 @@ def test_a_signal_during_an_evaluation_stops_after_it_and_resumes_exactly(chdir_
 
 
 def test_interrupt_in_reward_update_redoes_it_exactly(chdir_tmp, monkeypatch):
-    """Ctrl-C while the reward model trains on the first session's labels (issue 14, item 4): a session's labels,
+    """Ctrl-C while the reward model trains on the first session's labels: a session's labels,
     its reward update and the relabel are one unit, so the checkpoint holds the state from before the update (the
     session open with its labels, the iteration's start); the resumed run collects that rollout again, redoes the
     update without asking anyone, asks new pairs at the next session, and ends as an uninterrupted run."""
@@ -595,7 +578,6 @@ def test_human_mode_gets_exactly_the_labels_given(chdir_tmp):
         teacher_feedback_mode="human",
         feedback_server_url=base,
         feedback_server_autostart=True,
-        feedback_poll_seconds=0.1,
         feedback_check_clips=1,
         teacher_feedback_total_queries=8,
         teacher_feedback_num_queries_per_session=4,
@@ -618,7 +600,9 @@ def test_human_mode_gets_exactly_the_labels_given(chdir_tmp):
     checkpoint = torch.load("models/human/latest/checkpoint.pt", weights_only=False)
     np.testing.assert_array_equal(checkpoint["preference_buffer"]["labels"], np.array(expected, dtype=np.float32))
     assert checkpoint["teacher"]["cursor"] >= 8
-    assert len(list(Path("videos/human/clips").glob("*.mp4"))) == 8 * 2 + 2  # two clips per query, one check clip per session
+    clips = [path.name for path in Path("videos/human/clips").glob("*.mp4")]
+    assert len(clips) == 8 * 2 + 2 + 1  # two clips per query, one check clip per session, the final evaluation's start
+    assert [name for name in clips if "_eval_" in name] == ["run1_eval_2048.mp4"]
     with pytest.raises(requests.ConnectionError):  # the trainer stopped the server it started
         requests.get(base + "/api/config", timeout=2)
 
@@ -635,8 +619,7 @@ def test_feedback_async_puts_the_next_pairs_up_before_the_reward_update(chdir_tm
     labeller = Labeller(base, seconds=0.1)
     labeller.start()
     args = hopper_args(
-        "staged", total_timesteps=10240, teacher_feedback_mode="human", feedback_server_url=base, feedback_server_autostart=True,
-        feedback_poll_seconds=0.05, feedback_check_clips=0, feedback_async=True, teacher_feedback_total_queries=8,
+        "staged", total_timesteps=10240, teacher_feedback_mode="human", feedback_server_url=base, feedback_server_autostart=True, feedback_check_clips=0, feedback_async=True, teacher_feedback_total_queries=8,
         teacher_feedback_num_queries_per_session=4, teacher_feedback_frequency=1, teacher_feedback_schedule="linear",
         segment_length=10, max_augmentation_offset=3, min_augmentation_offset=1, clip_width=64, clip_height=48,
     )  # fmt: skip
@@ -689,8 +672,7 @@ BAD_ARGS = [
     ("surf-tau", {"surf_tau": 1.0}, "--surf-tau"),
     ("eps-mistake", {"teacher_eps_mistake": 1.5}, "--teacher-eps-mistake must be in [0, 1], got 1.5"),
     ("explore-steps", {"total_explore_steps": -1}, "--total-explore-steps must be >= 0"),
-    ("video-and-human", {"capture_video": True, "render_mode": "human"}, "--capture-video cannot be combined"),
-    ("exploration-load", {"exploration_load": True}, "--exploration-load needs --path-to-replay-buffer"),
+    ("exploration-from", {"exploration_from": "no/such/run"}, "--exploration-from no/such/run: no checkpoint there"),
     ("file-mode", {"teacher_feedback_mode": "file"}, "--teacher-feedback-mode file needs --feedback-file"),
     ("missing-resume", {"resume": "no/such/run"}, "--resume no/such/run: no checkpoint.pt"),
 ]

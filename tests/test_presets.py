@@ -268,7 +268,9 @@ def test_the_bench_qpa_variant_is_the_dmc_qpa_presets_preference_settings(monkey
     preset, dmc = presets.PRESETS["dmc-qpa"].values, presets.PRESETS["dmc"].values
     # What QPA changes from PEBBLE's DMC setting, and the schedule and inputs the bench's tuned variants share with it
     # (its reward-model epochs stay the script default, as with every variant).
-    qpa = [name for name in preset if preset[name] != dmc.get(name) and name in {field.name for field in fields(sac_rlhf.PreferenceArgs)}]
+    # (the hybrid batch ratio is a field of PEBBLE's Args itself: PrefPPO has no replay buffer to mix)
+    preference = {field.name for field in fields(sac_rlhf.PreferenceArgs)} | {"qpa_hybrid_ratio"}
+    qpa = [name for name in preset if preset[name] != dmc.get(name) and name in preference]
     shared = [*qpa, "teacher_feedback_schedule", "reward_net_normalize_inputs"]
     assert len(qpa) == 6
     assert {name: getattr(bench, name) for name in shared} == {name: preset[name] for name in shared}

@@ -9,6 +9,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import sysconfig
 import time
 import urllib.request
 from pathlib import Path
@@ -40,12 +41,28 @@ def test_path_fills_a_route_and_refuses_missing_or_extra_values():
         protocol.path(protocol.RUNS, run_id=3)
 
 
-def test_every_choice_has_one_label_and_the_server_offers_the_protocols_choices(tmp_path):
-    assert tuple(CHOICE_LABELS) == protocol.CHOICES
-    assert (CHOICE_LABELS["left"], CHOICE_LABELS["right"], CHOICE_LABELS["tie"]) == (0.0, 1.0, 0.5)
-    assert math.isnan(CHOICE_LABELS["skip"])
-    config = feedback_server.create_app(tmp_path).test_client().get(protocol.CONFIG).get_json()
-    assert config["choices"] == list(protocol.CHOICES)
+def test_a_persons_answer_means_what_the_synthetic_teachers_label_means(tmp_path):
+    """The page shows segment 0 on the left: a person's `left` is the label the synthetic teacher gives a pair whose
+    segment 0 has the higher return, `right` one whose segment 1 has, `tie` equal returns, and `skip` no label; and
+    the server takes exactly the protocol's choices, each answer reaching the trainer as the choice it stored."""
+    import numpy as np
+    from test_feedback_server import Env
+
+    from cleanrlhf_utils.feedback import SyntheticTeacher
+
+    returns = np.array([[[1.0], [0.0]], [[0.0], [1.0]], [[0.5], [0.5]]])  # segment 0 better, segment 1 better, equal
+    synthetic = SyntheticTeacher(-1.0, 1.0, 0.0, 0.0, 0.0, seed=0).label_true_rewards(returns)
+    assert [CHOICE_LABELS[choice] for choice in ("left", "right", "tie")] == synthetic.tolist() == [0.0, 1.0, 0.5]
+    assert math.isnan(CHOICE_LABELS["skip"]) and set(CHOICE_LABELS) == set(protocol.CHOICES)
+
+    env = Env(tmp_path)
+    run_id = env.run()
+    query_ids = env.queries(run_id, n=len(protocol.CHOICES) + 1)
+    for query_id, choice in zip(query_ids, protocol.CHOICES):
+        assert env.label(query_id, choice).status_code == 201, choice
+    assert env.label(query_ids[-1], "middle").status_code == 400  # not a choice of the protocol
+    answers = {answer["query_id"]: answer["choice"] for answer in env.answers(run_id)["answers"]}
+    assert answers == dict(zip(query_ids, protocol.CHOICES))
 
 
 def test_the_page_calls_only_protocol_routes():
@@ -56,14 +73,14 @@ def test_the_page_calls_only_protocol_routes():
     for url in called:
         url = re.sub(r"\$\{[^}]*\}", "X", url)  # a template literal's ${...} fills a route variable
         assert any(p.match(url) for p in patterns), url
-    assert protocol.TOKEN_HEADER in script
+    assert protocol.TOKEN_HEADER not in script  # the page holds no token: its browser sends the session cookie
 
 
 def test_no_protocol_literal_is_written_outside_its_owner():
     """The header, the token's variable and the routes are string literals only in protocol.py (and the page's api.js)."""
-    for path in [REPO / "framework/cleanrlhf_utils/feedback.py", REPO / "humanFeedback/feedback_server.py"]:
+    for path in [REPO / "framework/cleanrlhf_utils/feedback.py", *sorted((REPO / "humanFeedback").glob("*.py"))]:
         code = path.read_text()
-        for literal in (protocol.TOKEN_HEADER, protocol.TOKEN_ENV, protocol.TOKEN_COOKIE):
+        for literal in (protocol.TOKEN_HEADER, protocol.TOKEN_ENV, protocol.SESSION_COOKIE):
             assert f'"{literal}"' not in code, (path, literal)
         assert not re.search(r'["\'](/api/|/clips/|/static/)', code), path
 
@@ -74,11 +91,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_for(url: str, seconds: float = 30.0) -> bytes:
+def wait_for(url: str, token_file: Path, seconds: float = 30.0) -> bytes:
+    """The body at `url`, asked with the token the server keeps in `token_file` once it is there."""
     deadline = time.monotonic() + seconds
     while True:
         try:
-            with urllib.request.urlopen(url, timeout=2) as response:
+            token = token_file.read_text().strip()
+            with urllib.request.urlopen(urllib.request.Request(url, headers={protocol.TOKEN_HEADER: token}), timeout=2) as response:
                 return response.read()
         except OSError:
             if time.monotonic() > deadline:
@@ -86,14 +105,28 @@ def wait_for(url: str, seconds: float = 30.0) -> bytes:
             time.sleep(0.2)
 
 
+def site_packages_of_this_interpreter() -> list[str]:
+    """Where the interpreter running the tests finds its packages: a venv's own site-packages when the suite runs in
+    one (as the README's install does), the system's otherwise."""
+    paths = sysconfig.get_paths()
+    return list(dict.fromkeys([paths["purelib"], paths["platlib"]]))
+
+
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory) -> Path:
     """A fresh venv with the project installed (not editable); its dependencies, pip and setuptools come from this
-    interpreter's site-packages, so only the project itself is installed and nothing is downloaded."""
+    interpreter's site-packages, so only the project itself is installed and nothing is downloaded. `venv
+    --system-site-packages` would not do: from inside a venv it reaches the base Python's packages, not this venv's
+    (an old setuptools there, and none of the dependencies). The directories are put on the path plainly, without
+    running their .pth files, so the checkout's editable install stays out of the new venv."""
     root = tmp_path_factory.mktemp("installed")
     venv = root / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True, timeout=120)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     python = venv / "bin" / "python"
+    venv_site = subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    (Path(venv_site) / "this_interpreters_packages.pth").write_text("\n".join(site_packages_of_this_interpreter()) + "\n")
     build = root / "build"
     shutil.copytree(REPO, build, ignore=shutil.ignore_patterns(".git", "runs", "models", "videos", "bench", "*.egg-info", "__pycache__"))
     result = subprocess.run(
@@ -121,6 +154,18 @@ def test_the_installed_package_is_imported_from_the_venv_not_the_checkout(instal
         assert str(installed) in location and str(REPO) not in location
 
 
+def test_the_installed_venv_takes_its_dependencies_and_build_tools_from_this_interpreter(installed, tmp_path):
+    """Only the project is new in the venv: setuptools (which built it) and the dependencies are those the suite runs
+    with, wherever that is (a venv of its own or the system's Python)."""
+    result = run_outside(installed, "import setuptools, flask, numpy; print(setuptools.__file__, flask.__file__, numpy.__file__)", tmp_path)
+    assert result.returncode == 0, result.stderr
+    import flask
+    import numpy
+    import setuptools
+
+    assert result.stdout.split() == [setuptools.__file__, flask.__file__, numpy.__file__]
+
+
 def test_the_installed_entry_point_serves_the_page_and_its_modules(installed, tmp_path):
     port = free_port()
     log = open(tmp_path / "server.log", "w")
@@ -131,11 +176,11 @@ def test_the_installed_entry_point_serves_the_page_and_its_modules(installed, tm
         stderr=subprocess.STDOUT,
     )
     try:
-        base = f"http://127.0.0.1:{port}"
-        assert b'"choices"' in wait_for(base + protocol.CONFIG)
-        page = wait_for(base + "/").decode()
+        base, token_file = f"http://127.0.0.1:{port}", tmp_path / "data" / "token"  # the token it made itself
+        assert b'"choices"' in wait_for(base + protocol.CONFIG, token_file)
+        page = wait_for(base + "/", token_file).decode()
         assert '<script type="module" src="/static/js/main.js">' in page
-        assert b"import" in wait_for(base + protocol.path(protocol.PAGE_SCRIPT, name="main.js"))
+        assert b"import" in wait_for(base + protocol.path(protocol.PAGE_SCRIPT, name="main.js"), token_file)
         assert (tmp_path / "data" / "feedback.sqlite3").exists()  # schema.sql shipped with the package
     finally:
         server.terminate()

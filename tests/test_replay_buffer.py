@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import sac_rlhf
+from cleanrlhf_utils.buffers import ReplayBuffer
 from cleanrlhf_utils.envs import SegmentRenderer, set_physics_state, write_mp4
 
 ENV_ID, SEED, STEPS = "Hopper-v5", 1, 300
@@ -337,3 +338,18 @@ def test_episodes_shorter_than_a_segment_still_give_queries():
     idx, mask = rb.sample_segment_pairs(50, 25, np.random.default_rng(1))
     assert idx.shape == (50, 2, 25) and mask.sum(-1).max() <= 8
     assert np.all(idx[:, 0, 0] != idx[:, 1, 0])
+
+
+def test_adding_many_at_once_fills_the_buffer_as_adding_them_one_by_one():
+    """PrefPPO copies a rollout into the replay buffer in one call: the same slots, contents, position and fullness as
+    one add per transition, also when the rollout wraps past the end of the buffer."""
+    rng = np.random.default_rng(0)
+    one_by_one, at_once = ReplayBuffer(7, 3, 2, 4), ReplayBuffer(7, 3, 2, 4)
+    for count in (3, 6, 2):  # the second wraps around, the third lands after it
+        rows = (rng.normal(size=(count, 3)), rng.normal(size=(count, 3)), rng.normal(size=(count, 2)), rng.normal(size=count))
+        rows += (rng.random(count) < 0.3, rng.integers(0, 9, count), rng.normal(size=(count, 4)))
+        slots = [one_by_one.add(*(column[i] for column in rows)) for i in range(count)]
+        np.testing.assert_array_equal(at_once.add_many(*rows), slots)
+        for name, values in one_by_one.state_dict().items():
+            np.testing.assert_array_equal(at_once.state_dict()[name], values, err_msg=name)
+        assert (at_once.pos, at_once.full) == (one_by_one.pos, one_by_one.full)

@@ -33,6 +33,12 @@ def test_ci_runs_the_readme_test_command_verbatim():
     assert "python -m pip install torch==2.13.0 -c requirements/constraints.txt" in ci_lines, (
         "CI pins the CPU torch wheel before anything else"
     )
+    # CI installs into a venv made as the README makes it, and runs the tests there (a suite that passes only outside
+    # a venv, where the base Python's packages are the project's, would pass CI and fail the README's user).
+    assert install[0] in ci_lines, "CI makes the README's venv"
+    venv = ci_lines.index(install[0])
+    assert venv < ci_lines.index("python -m pip install torch==2.13.0 -c requirements/constraints.txt") < ci_lines.index(test_command)
+    assert not [line for line in ci_lines[venv:] if line.startswith("deactivate")], "the tests run in the venv"
     assert ci_lines.index("ruff check .") < ci_lines.index(test_command), "CI lints before the tests"
     assert ci_lines.index("ruff format --check .") < ci_lines.index(test_command)
 

@@ -23,7 +23,7 @@ def test_a_person_on_the_page_gives_the_run_labels_that_prefer_what_they_want(tm
         sys.executable, str(REPO / "bench" / "simulated_person.py"), "--seeds", "1", "--modes", "async",
         "--objective", "windmill-counterclockwise", "--steps", "1500", "--explore-steps", "500", "--labels", "6",
         "--pairs-per-session", "3", "--feedback-frequency", "300", "--evaluation-frequency", "1500",
-        "--answer-delay", "0", "0.2", "--person-eps-mistake", "0", "--preference-flags=--robust-labels smooth",
+        "--answer-delay", "0", "0.2", "--person-eps-mistake", "0", "--robust-labels", "smooth", "--preference-flags=--label-mistake-rate 0.2",
         "--workdir", str(tmp_path / "work"),
         "--output", str(tmp_path / "out.json"),
     ]  # fmt: skip
@@ -40,7 +40,7 @@ def test_a_person_on_the_page_gives_the_run_labels_that_prefer_what_they_want(tm
 
     # The trainer ran with the benchmark's extra flags (a noise defence here)
     run_dir = tmp_path / "work" / "runs" / row["run_name"]
-    assert json.loads((run_dir / "args.json").read_text())["robust_labels"] == "smooth"
+    assert json.loads((run_dir / "args.json").read_text())["label_mistake_rate"] == 0.2  # the mistake-aware variant ran
 
     # What reached the run: every label prefers the segment the objective (recomputed from the stored segments) ranks
     # higher, so query ids, sides and segments line up from the trainer's log through the page and server back to it.

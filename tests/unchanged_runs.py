@@ -29,13 +29,13 @@ RECORD = Path(__file__).resolve().parent / "data" / "unchanged_runs.json"
 SHORT_PEBBLE = [
     "--total-timesteps", "700", "--learning-starts", "100", "--total-explore-steps", "300", "--teacher-feedback-frequency", "200",
     "--teacher-feedback-total-queries", "30", "--teacher-feedback-num-queries-per-session", "10", "--evaluation-frequency", "0",
-    "--evaluation-episodes", "1", "--checkpoint-frequency", "0", "--heldout-fresh-pairs", "50", "--no-progress-bar",
+    "--evaluation-episodes", "1", "--checkpoint-frequency", "0", "--no-progress-bar",
 ]  # fmt: skip
 SHORT_PREF_PPO = [
     "--total-timesteps", "3072", "--num-steps", "1024", "--num-minibatches", "4", "--update-epochs", "2",
     "--total-explore-steps", "1024", "--teacher-feedback-frequency", "1024", "--teacher-feedback-total-queries", "20",
     "--teacher-feedback-num-queries-per-session", "10", "--evaluation-frequency", "0", "--evaluation-episodes", "1",
-    "--checkpoint-frequency", "0", "--heldout-fresh-pairs", "50", "--no-progress-bar",
+    "--checkpoint-frequency", "0", "--no-progress-bar",
 ]  # fmt: skip
 RUNS = {
     "pebble-default": ("sac_rlhf", ["--env-id", "Hopper-v5", *SHORT_PEBBLE]),
@@ -48,10 +48,10 @@ RUNS = {
         ["--env-id", "Hopper-v5", "--teacher-objective", "hopper-backflip", "--reset-agent-below-correlation", "0.9", *SHORT_PEBBLE],
     ),
     "pebble-rime": (
-        "sac_rlhf",
-        ["--env-id", "Hopper-v5", "--robust-labels", "rime", "--rime-warm-start-steps", "20", "--teacher-eps-mistake", "0.2", *SHORT_PEBBLE],
+        "sac_rlhf_rime",
+        ["--env-id", "Hopper-v5", "--rime-warm-start-steps", "20", "--teacher-eps-mistake", "0.2", *SHORT_PEBBLE],
     ),
-    "pebble-smooth": ("sac_rlhf", ["--env-id", "Hopper-v5", "--robust-labels", "smooth", "--teacher-eps-mistake", "0.2", *SHORT_PEBBLE]),
+    "pebble-smooth": ("sac_rlhf_mistake_aware", ["--env-id", "Hopper-v5", "--teacher-eps-mistake", "0.2", *SHORT_PEBBLE]),
     "prefppo-default": ("pref_ppo", ["--env-id", "Hopper-v5", *SHORT_PREF_PPO]),
     "prefppo-cartpole": ("pref_ppo", ["--env-id", "CartPole-v1", *SHORT_PREF_PPO]),
 }
@@ -112,7 +112,9 @@ def fingerprint(name: str, workdir: Path) -> dict:
     finally:
         os.chdir(previous)
     networks = {part: digest(saved[part]) for part in ("agent", "reward_model", "preference_buffer") if part in saved}
-    figures = {key: value for key, value in summary.items() if isinstance(value, int | float) and "seconds" not in key and "sps" not in key.lower()}
+    figures = {
+        key: value for key, value in summary.items() if isinstance(value, int | float) and "seconds" not in key and "sps" not in key.lower()
+    }
     return {"networks": networks, "summary": {key: float(value) for key, value in sorted(figures.items())}}
 
 

@@ -7,6 +7,7 @@
 #   python toolbox/labels.py export runs/a --format uni-rlhf --out uni/ --obs-dim 11 --env-id Hopper-v5
 #   python toolbox/labels.py export runs/a --format imitation --out prefs.pkl --obs-dim 11
 #   python toolbox/labels.py import labels.npz --out labels.sqlite   (or a uni-rlhf folder written by export)
+#   python toolbox/labels.py check runs/<run>                   # does the run keep each label as its server has it?
 #
 # A label store is a run's runs/<run>/labels.sqlite (framework/cleanrlhf_utils/feedback.py's LabelLog: one row per
 # label with the pair's arrays) or a feedback server's database (<data-dir>/feedback.sqlite3: labels of queries,
@@ -40,12 +41,13 @@ from pathlib import Path
 
 import numpy as np
 
+from cleanrlhf_utils.feedback import CHOICE_LABELS as FEEDBACK_CHOICE_LABELS
 from cleanrlhf_utils.feedback import LabelLog
 
 ARRAYS = LabelLog.ARRAYS  # obs_actions, masks, true_rewards, physics_states
 NPZ_FORMAT = "cleanrlhf-labels-v1"
-CHOICE_LABELS = {"left": 0.0, "right": 1.0, "tie": 0.5}
-NAMES = {0.0: "left", 1.0: "right", 0.5: "tie"}
+CHOICE_LABELS = {choice: label for choice, label in FEEDBACK_CHOICE_LABELS.items() if choice != "skip"}  # skips are not labels
+NAMES = {label: choice for choice, label in CHOICE_LABELS.items()}
 
 
 class LabelsError(Exception):
@@ -399,6 +401,43 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"labels.py: error: {message}\n")
 
 
+# --------------------------------------------------------------------------------------------- check
+
+
+def check(run_folder: Path, server_data: Path | None = None) -> list[str]:
+    """Where a human-mode run's label log (runs/<run>/labels.sqlite) and its feedback server's answers disagree, one line
+    per pair: a label the run keeps that the server has otherwise or not at all (undone), and an answer on the server the
+    run does not keep. The server's database is the run's autostarted one (runs/<run>/feedback_data) unless given."""
+    log_path, name = run_folder / "labels.sqlite", run_folder.name
+    server_path = (server_data or run_folder / "feedback_data") / "feedback.sqlite3"
+    for path, what in ((log_path, "the run's label log"), (server_path, "the feedback server's database (give --server-data DIR)")):
+        if not path.is_file():
+            raise LabelsError(f"{path} does not exist: it should hold {what}")
+    with sqlite3.connect(f"file:{log_path.resolve()}?mode=ro", uri=True) as db:
+        columns = [row[1] for row in db.execute("PRAGMA table_info(labels)")]
+        if "query_id" not in columns:
+            raise LabelsError(f"{log_path} keeps no query ids: its run labelled nothing through a feedback server")
+        kept = {query: label for query, label in db.execute("SELECT query_id, label FROM labels WHERE query_id IS NOT NULL")}
+    with sqlite3.connect(f"file:{server_path.resolve()}?mode=ro", uri=True) as db:
+        run = db.execute("SELECT id FROM runs WHERE name = ?", (name,)).fetchone()
+        if run is None:
+            raise LabelsError(f"{server_path} holds no run named {name}")
+        rows = db.execute("SELECT q.id, l.choice FROM queries q LEFT JOIN labels l ON l.query_id = q.id WHERE q.run_id = ?", run)
+        served = {query: choice for query, choice in rows}
+    differ = []
+    for query, choice in sorted(served.items()):
+        label = kept.get(query)
+        if choice in CHOICE_LABELS and label != CHOICE_LABELS[choice]:
+            differ.append(f"pair {query}: the server has {choice!r}, the run {NAMES[label] if label is not None else 'no label'!r}")
+        elif choice not in CHOICE_LABELS and label is not None:
+            now = "a skip" if choice == "skip" else "no answer (undone)"
+            differ.append(f"pair {query}: the run keeps {NAMES[label]!r}, the server has {now}")
+    differ += [
+        f"pair {query}: the run keeps {NAMES[label]!r}, the server has no such pair" for query, label in kept.items() if query not in served
+    ]
+    return differ
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = OneLineParser(prog="labels.py", description="List, merge, export and import label stores; agreement between people.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
@@ -418,6 +457,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     s.add_argument("--obs-dim", type=int, default=None, help="observation size (uni-rlhf, imitation): obs_actions is [obs, action]")
     s.add_argument("--env-id", default="env", help="uni-rlhf: the env name in the file names (default 'env')")
     s.add_argument("--domain", default="mujoco", help="uni-rlhf: the domain in the file names (default mujoco)")
+    s = sub.add_parser("check", help="whether a human-mode run keeps each label as its feedback server has it (exit 1 if not)")
+    s.add_argument("run", help="the run's folder, runs/<run>")
+    s.add_argument("--server-data", default=None, help="the feedback server's data dir (default: the run's autostarted one)")
     s = sub.add_parser("import", help="an NPZ or Uni-RLHF folder written by export, into a label log")
     s.add_argument("source", help="labels.npz, or a <env>_human_labels folder")
     s.add_argument("--out", required=True, help="labels.sqlite to write (appended to if it exists)")
@@ -454,6 +496,14 @@ def main(argv=None):
             written = write_label_log(labels, Path(args.out))
             print(f"{args.out}: {written} labels written, {len(labels) - written} already there")
             return written
+        if args.command == "check":
+            differ = check(Path(args.run), Path(args.server_data) if args.server_data else None)
+            for line in differ:
+                print(line)
+            print(f"{args.run}: {'the run keeps every label as the server has it' if not differ else f'{len(differ)} pairs differ'}")
+            if differ:
+                raise SystemExit(1)
+            return differ
         if args.command == "export":
             labels, out = read_all(args.stores), Path(args.out)
             out.parent.mkdir(parents=True, exist_ok=True)

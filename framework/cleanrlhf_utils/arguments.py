@@ -58,6 +58,32 @@ def closest_flag(token: str, flags: Sequence[str]) -> str | None:
     return close[0] if close else None
 
 
+def unknown_flags_line(flags: Sequence[str], known: Sequence[str]) -> str:
+    """The one line for flags a script does not have, each with the known flag it most likely meant."""
+    named = []
+    for flag in flags:
+        guess = closest_flag(flag, known)
+        named.append(f"{flag.split('=', 1)[0]}" + (f" (did you mean {guess}?)" if guess else ""))
+    return f"unknown flag{'s' if len(named) > 1 else ''} {', '.join(named)}; see --help"
+
+
+def refuse_unknown_flags(script: str, argv: Sequence[str] | None = None) -> None:
+    """Before a script's heavy imports (torch takes seconds on a busy machine): a flag its Args does not have, read from
+    its source (args_source), is refused as tyro's parse would refuse it, in one line with exit code 2. Everything else
+    (values, combinations) is checked by the parse and the script's validation after the imports."""
+    from .args_source import source_flags
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    known = source_flags(script)
+    if known is None:  # not readable from source: tyro's parse decides
+        return
+    known += ["--help", "-h"]
+    unknown = [token for token in argv if token.startswith("--") and token.split("=", 1)[0].replace("_", "-") not in known]
+    if unknown:
+        print(f"error: {unknown_flags_line(unknown, known)}", file=sys.stderr)
+        sys.exit(2)
+
+
 def given_value(argv: Sequence[str], names: Sequence[str]) -> str | None:
     """The value the command line gave a flag (`--flag value` or `--flag=value`; the last one wins)."""
     value = None
@@ -78,12 +104,7 @@ def one_line(event, args_class: type, argv: Sequence[str]) -> str | None:
         if not flags:  # values with no flag before them, e.g. a value given to an on/off flag (--surf yes)
             listed = " ".join(repr(token) for token in event.tokens)
             return f"unexpected argument {listed}: every setting is a --flag (an on/off one takes no value: --x / --no-x); see --help"
-        known = known_flags(args_class)
-        named = []
-        for flag in flags:
-            guess = closest_flag(flag, known)
-            named.append(f"{flag.split('=', 1)[0]}" + (f" (did you mean {guess}?)" if guess else ""))
-        return f"unknown flag{'s' if len(named) > 1 else ''} {', '.join(named)}; see --help"
+        return unknown_flags_line(flags, known_flags(args_class))
     argument = getattr(event, "argument", None)
     flag = argument.display_name() if argument is not None else None
     if isinstance(event, _errors.InvalidChoice):

@@ -2,12 +2,13 @@
 can be cut out as a segment, shown to a person, relabelled by the reward model and checkpointed exactly."""
 
 import os
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
-from .errors import ConfigError
+from .errors import ConfigError, unreadable
 
 
 class ReplayBuffer:
@@ -42,6 +43,17 @@ class ReplayBuffer:
         self.pos = (self.pos + 1) % self.capacity
         self.full = self.full or self.pos == 0
         return i
+
+    def add_many(self, obs, next_obs, actions, true_rewards, terminated, episode_ids, physics_states) -> np.ndarray:
+        """`add` for N transitions at once (arrays with N rows), in their order; returns their slots."""
+        slots = (self.pos + np.arange(len(obs))) % self.capacity
+        self.obs[slots], self.next_obs[slots], self.actions[slots] = obs, next_obs, actions
+        self.true_rewards[slots], self.terminated[slots] = true_rewards, terminated
+        self.learned_rewards[slots] = self.reward_std[slots] = 0.0
+        self.episode_ids[slots], self.physics_states[slots] = episode_ids, physics_states
+        self.full = self.full or self.pos + len(obs) >= self.capacity
+        self.pos = int((self.pos + len(obs)) % self.capacity)
+        return slots
 
     def sample_indices(
         self, batch_size: int, rng: np.random.Generator, recent: np.ndarray | None = None, recent_share: float = 0.0
@@ -142,8 +154,11 @@ class ReplayBuffer:
         os.replace(tmp, path)
 
     def load(self, path: str | Path) -> None:
-        with np.load(path) as data:
-            self.load_state_dict(data)
+        try:
+            with np.load(path) as data:
+                self.load_state_dict(data)
+        except (EOFError, OSError, ValueError, KeyError, zipfile.BadZipFile) as error:
+            raise unreadable(Path(path), error) from None
 
 
 class PendingRewards:

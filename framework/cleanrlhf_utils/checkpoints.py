@@ -2,13 +2,15 @@
 run's whole training state back (networks, optimisers, buffers, RNGs) for a bit-exact resume."""
 
 import os
+import pickle
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from .errors import need
+from .errors import need, unreadable
 
 
 @dataclass
@@ -24,14 +26,11 @@ class ResumeArgs:
 
 @dataclass
 class CheckpointArgs(ResumeArgs):
-    """Checkpoints of the preference-learning scripts: ResumeArgs' and the reusable end of exploration."""
+    """Checkpoints of the preference-learning scripts: ResumeArgs' and a reusable end of exploration."""
 
-    exploration_load: bool = False
-    """skip exploration: load the agent and replay buffer saved after a previous exploration"""
-    path_to_replay_buffer: str | None = None
-    """replay buffer file of an exploration checkpoint (models/<run>/<explore_steps>/replay_buffer.npz)"""
-    path_to_model: str | None = None
-    """model file of an exploration checkpoint (models/<run>/<explore_steps>/checkpoint.pt)"""
+    exploration_from: str | None = None
+    """skip exploration: start from the agent and replay buffer another run saved when its exploration ended
+    (models/<run>/<explore_steps>)"""
 
 
 def validate_resume_args(args: ResumeArgs) -> None:
@@ -42,12 +41,14 @@ def validate_resume_args(args: ResumeArgs) -> None:
 
 
 def validate_checkpoint_args(args: CheckpointArgs) -> None:
-    """--checkpoint-frequency, --resume and --exploration-load of the preference-learning scripts."""
+    """--checkpoint-frequency, --resume and --exploration-from of the preference-learning scripts."""
     validate_resume_args(args)
-    if args.exploration_load:
-        for flag, path in (("--path-to-replay-buffer", args.path_to_replay_buffer), ("--path-to-model", args.path_to_model)):
-            need(path is not None, f"--exploration-load needs {flag}")
-            need(Path(path).is_file(), f"{flag} {path} does not exist")
+    if args.exploration_from is not None:
+        folder = checkpoint_file(args.exploration_from, "--exploration-from").parent
+        need(
+            (folder / "replay_buffer.npz").is_file(),
+            f"--exploration-from {args.exploration_from}: no replay_buffer.npz beside its checkpoint",
+        )
 
 
 def save_checkpoint(folder: Path, state: dict, rb=None) -> None:
@@ -70,7 +71,10 @@ def checkpoint_file(path: str | Path, flag: str = "--path-to-model") -> Path:
 
 
 def load_checkpoint(path: str | Path) -> dict:
-    return torch.load(path, map_location="cpu", weights_only=False)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError, zipfile.BadZipFile) as error:
+        raise unreadable(Path(path), error) from None
 
 
 def load_optimizer(optimizer: torch.optim.Optimizer, state: dict) -> None:
@@ -102,16 +106,16 @@ def training_state(parts: dict, rng: np.random.Generator) -> dict:
     return {name: part.state_dict() for name, part in parts.items()} | rng_states(rng)
 
 
-OPTIONAL_PARTS = ("label_filter", "reward_standardizer")
-"""parts that only some settings checkpoint (--robust-labels rime, --reward-standardize): loading an exploration
-checkpoint from a run without them leaves them fresh"""
+OPTIONAL_PARTS = ("reward_training",)
+"""parts that only some runs checkpoint (a variant's reward training with state, RIME's): a run starting from another
+run's exploration checkpoint (--exploration-from), which had none, starts them fresh"""
 
 
 def load_training_state(parts: dict, rng: np.random.Generator, state: dict) -> None:
     for name, part in parts.items():
         if name == "session" and name not in state:  # a checkpoint from before sessions were saved: none was open
             continue
-        if name in OPTIONAL_PARTS and name not in state:  # e.g. --robust-labels rime loading another run's exploration
+        if name in OPTIONAL_PARTS and name not in state:  # e.g. a RIME run starting from a PEBBLE run's exploration
             continue
         part.load_state_dict(state[name])
     rng.bit_generator.state = state["rng"]

@@ -13,6 +13,7 @@ from .arguments import given_fields, parse_args
 from .errors import ConfigError
 from .feedback import FeedbackServerError
 from .presets import PresetError, preset_default
+from .run import RunInterrupted
 from .stopping import stop_signals_handled, stopped_by
 from .tracking import SECRET_ARGS
 
@@ -57,22 +58,17 @@ def command_line_args(args_class: type, argv: list[str] | None = None):
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
     args = parse_args(args_class, argv, default=default)
-    schedule = getattr(sys.modules.get(args_class.__module__), "feedback_schedule", None)
+    # the feedback_schedule of the script that defines Args or one it builds on (a variant's Args extends sac_rlhf's)
+    modules = (sys.modules.get(cls.__module__) for cls in args_class.__mro__)
+    schedule = next((module.feedback_schedule for module in modules if hasattr(module, "feedback_schedule")), None)
     return human_sized_defaults(args, given_fields(argv, args_class) | preset_fields, schedule)
-
-
-class RunInterrupted(KeyboardInterrupt):
-    """Ctrl-C, after the run saved what --resume continues from (`checkpoint`: models/<run>/latest)."""
-
-    def __init__(self, checkpoint: Path):
-        super().__init__(str(checkpoint))
-        self.checkpoint = checkpoint
 
 
 def resume_command(argv: list[str], checkpoint: Path) -> str:
     """The command line that continues an interrupted run: this one (script, flags) with --resume <checkpoint> in place
     of any earlier --resume, run from the same folder. Secret settings are left out (the line is printed, and may be
-    logged): the run takes them from their environment variable instead (--feedback-server-token: FEEDBACK_SERVER_TOKEN)."""
+    logged): the resumed run takes the feedback server's token from FEEDBACK_SERVER_TOKEN, else from the run's
+    runs/<run>/feedback_token (feedback.feedback_token), so its server keeps the token the run started with."""
     dropped = {"--resume", *(f"--{name.replace('_', '-')}" for name in SECRET_ARGS)}
     flags, skip = [], False
     for token in argv[1:]:
@@ -103,6 +99,9 @@ def cli(args_class: type, main: Callable) -> None:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt as interrupt:
+        failure = getattr(interrupt, "failure", None)
+        if failure is not None:
+            print(f"error: {failure}", file=sys.stderr)
         if isinstance(interrupt, RunInterrupted):  # the run saved its checkpoint: say how to continue it
             print(f"to resume: {resume_command(sys.argv, interrupt.checkpoint)}", flush=True)
-        sys.exit(128 + signal.SIGTERM if stopped_by() == signal.SIGTERM else 130)
+        sys.exit(1 if failure is not None else 128 + signal.SIGTERM if stopped_by() == signal.SIGTERM else 130)

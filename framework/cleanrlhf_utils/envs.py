@@ -30,7 +30,15 @@ def registered_id(env_id: str) -> str:
     return name
 
 
+def placeholder(spec) -> bool:
+    """Whether a registered id is only Gymnasium's pointer elsewhere (the MuJoCo v2 and v3 envs, moved to
+    gymnasium-robotics): its entry point raises instead of building an env."""
+    return callable(spec.entry_point) and getattr(spec.entry_point, "__name__", "").startswith("_raise")
+
+
 def check_env_id(env_id: str) -> None:
+    """One line for an id this machine cannot run: unregistered (with the close ids that do run), or registered only
+    as a pointer elsewhere (with its reason)."""
     name = registered_id(env_id)
     if ":" in env_id:
         need(name in gym.registry, f"--env-id {env_id}: importing {env_id.partition(':')[0]} registered no environment {name}")
@@ -41,12 +49,21 @@ def check_env_id(env_id: str) -> None:
         gym.register_envs(shimmy)
     if env_id.startswith(METAWORLD_PREFIX) or env_id not in gym.registry:
         register_metaworld()
-    if env_id not in gym.registry:
-        import difflib
+    runnable = [registered for registered, spec in gym.registry.items() if not placeholder(spec)]
+    if env_id in gym.registry and not placeholder(gym.registry[env_id]):
+        return
+    import difflib
 
-        close = difflib.get_close_matches(env_id, list(gym.registry), n=5, cutoff=0.6)
-        hint = f" (similar: {', '.join(close)})" if close else ""
+    close = difflib.get_close_matches(env_id, runnable, n=5, cutoff=0.6)
+    hint = f" (similar ids that run here: {', '.join(close)})" if close else ""
+    if env_id not in gym.registry:
         raise ConfigError(f"--env-id {env_id} is not a registered Gymnasium environment{hint}")
+    try:
+        gym.registry[env_id].entry_point()
+        reason = "it cannot be built here"
+    except Exception as error:  # noqa: BLE001 (Gymnasium's pointer says where the env went)
+        reason = (str(error).splitlines() or [type(error).__name__])[0]
+    raise ConfigError(f"--env-id {env_id} does not run here: {reason}{hint}")
 
 
 def accepts_keyword(env_id: str, keyword: str) -> bool:
@@ -125,11 +142,13 @@ def make_env(
     check_actions: Callable[[str, gym.Space], None] | None = None,
     task_seed: int | None = None,
     terminate_when_tilted: bool = True,
+    camera: str = "env",
 ):
     """A thunk building one env: Dict observations flattened (keys in a fixed order), camera-image observations
     refused, shadows cheapened for software rendering. `check_actions(env_id, action_space)` is the algorithm's
     own requirement on the action space (it raises ConfigError). `task_seed` picks a Meta-World task's layout
-    (default: `seed`); other envs ignore it."""
+    (default: `seed`); other envs ignore it. `camera`: what rgb_array frames show (CAMERAS)."""
+    need(camera in CAMERAS, f"--camera {camera} is not one of: {', '.join(CAMERAS)}")
 
     def thunk():
         check_env_id(env_id)
@@ -154,6 +173,8 @@ def make_env(
                 env.close()
                 raise
         lower_shadow_quality(env)
+        if camera == "side":
+            use_side_camera(env, env_id)
         env.action_space.seed(seed)
         return env
 
@@ -272,6 +293,38 @@ def reached_success(infos) -> bool | None:
     switch off again: an episode that opened the door counts); None when the env reports no `success`."""
     flags = [info["success"] for info in infos if "success" in info]
     return bool(np.any(np.asarray(flags, dtype=np.float64) > 0)) if flags else None
+
+
+CAMERAS = {
+    "env": "the env's own view (Gymnasium's Hopper: a camera that stays where the Hopper starts, looking down at 20 degrees)",
+    "side": "a camera fixed beside the robot's starting place, 3.5 times the root body's height away, looking down 5 "
+    "degrees at 0.9 times that height: the floor, heights and turns read at a glance (Gymnasium MuJoCo envs)",
+}
+"""the views of rendered frames (evaluation videos, filmstrips), by --camera name"""
+
+
+def use_side_camera(env: gym.Env, env_id: str) -> None:
+    """Render `env` (just made, no frame rendered yet) from CAMERAS["side"]: a free MuJoCo camera aimed along +y at
+    the root body's reference position (+x to the right). It stays put, so a flip's height above the floor and its
+    turn show as they are."""
+    import mujoco
+
+    model, _ = raw_mujoco(env)
+    renderer = getattr(env.unwrapped, "mujoco_renderer", None)
+    need(
+        model is not None and renderer is not None and not hasattr(env.unwrapped, "physics"),
+        f"--camera side: --env-id {env_id} is not a Gymnasium MuJoCo env (it renders from its own cameras only)",
+    )
+    x, y, z = (float(value) for value in model.body_pos[1])  # the root body, where the model places it
+    height = max(z, 0.5)
+    renderer.camera_id = -1  # the free camera, configured by default_cam_config when the first frame is rendered
+    renderer.default_cam_config = {
+        "type": int(mujoco.mjtCamera.mjCAMERA_FREE),
+        "lookat": np.array([x, y, 0.9 * height]),
+        "distance": 3.5 * height,
+        "azimuth": 90.0,
+        "elevation": -5.0,
+    }
 
 
 def lower_shadow_quality(env: gym.Env) -> None:
@@ -443,14 +496,14 @@ class SegmentRenderer:
     Every GL call runs on one dedicated thread: dm_control's EGL context is bound to the thread that first
     renders with it, while clips are rendered from a background thread that differs between sessions."""
 
-    def __init__(self, env_id: str, width: int = 320, height: int = 240, shadows: bool = True):
+    def __init__(self, env_id: str, width: int = 320, height: int = 240, shadows: bool = True, camera: str = "env"):
         from concurrent.futures import ThreadPoolExecutor
 
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="segment-renderer")
-        self.executor.submit(self._open, env_id, width, height, shadows).result()
+        self.executor.submit(self._open, env_id, width, height, shadows, camera).result()
 
-    def _open(self, env_id: str, width: int, height: int, shadows: bool) -> None:
-        self.env = make_env(env_id, seed=0, render_mode="rgb_array", width=width, height=height)()
+    def _open(self, env_id: str, width: int, height: int, shadows: bool, camera: str) -> None:
+        self.env = make_env(env_id, seed=0, render_mode="rgb_array", width=width, height=height, camera=camera)()
         self.env.reset(seed=0)
         self.fps = self.env.metadata.get("render_fps", 30)
         self.physics = getattr(self.env.unwrapped, "physics", None)

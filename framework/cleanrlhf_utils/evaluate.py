@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from .envs import get_physics_state, make_env, reached_success, write_mp4
-from .objectives import Objective, episode_measures, load_objective
+from .objectives import Objective, episode_measures, load_objective, mean_measures
 
 
 def log_video(args, video: Path | None, step: int) -> None:
@@ -39,15 +39,27 @@ def evaluate_episodes(
     objective: Objective | None = None,
     objective_measures: list | None = None,
     terminate_when_tilted: bool = True,
+    camera: str = "env",
+    first_states: list | None = None,
 ) -> tuple[list[float], list[bool | None]]:
     """True returns of `policy.deterministic_action` over episodes with seeds seed, seed+1, ..., and whether each
-    reached info["success"] (None on envs without it); optionally an mp4 of the first. `task_seed`: the Meta-World
-    layout to evaluate on (default: seed's). Deterministic actions draw no random numbers, so evaluating leaves
-    training's RNG alone. With an `objective`, each episode's (objective return, objective success) is appended to
-    `objective_measures`, measured on the observations, actions and simulator states the episode went through."""
+    reached info["success"] (None on envs without it); optionally an mp4 of the first, from `camera` (CAMERAS).
+    `task_seed`: the Meta-World layout to evaluate on (default: seed's). Deterministic actions draw no random numbers, so evaluating leaves
+    training's RNG alone. With an `objective`, each episode's EpisodeMeasures (objective return, success, further
+    measures) is appended to `objective_measures`, measured on the observations, actions and simulator states the episode
+    went through. `first_states` receives the simulator states of the first episode (a clip of it can be rendered later,
+    elsewhere)."""
     render_mode = "rgb_array" if video_path else None
     env = make_env(
-        env_id, seed, render_mode, width, height, terminate_when_unhealthy, task_seed=task_seed, terminate_when_tilted=terminate_when_tilted
+        env_id,
+        seed,
+        render_mode,
+        width,
+        height,
+        terminate_when_unhealthy,
+        task_seed=task_seed,
+        terminate_when_tilted=terminate_when_tilted,
+        camera=camera,
     )()
     discrete = isinstance(env.action_space, gym.spaces.Discrete)
     returns, successes, frames = [], [], []
@@ -59,6 +71,8 @@ def evaluate_episodes(
         while not done:
             if video_path and episode == 0:
                 frames.append(env.render())
+            if first_states is not None and episode == 0:
+                first_states.append(get_physics_state(env))
             with torch.no_grad():
                 action = policy.deterministic_action(torch.as_tensor(obs, dtype=torch.float32, device=device).unsqueeze(0))
             action = action.squeeze(0).cpu().numpy()
@@ -97,10 +111,12 @@ class EvalReturn(float):
         success_rate: float | None = None,
         objective_return: float | None = None,
         objective_success: float | None = None,
+        objective_measures: dict[str, float] | None = None,
     ):
         value = super().__new__(cls, mean_return)
         value.success_rate = success_rate
         value.objective_return, value.objective_success = objective_return, objective_success  # --teacher-objective's
+        value.objective_measures = objective_measures or {}  # its further measures, by name
         return value
 
 
@@ -110,17 +126,23 @@ def success_summary(last_eval: float) -> dict:
         "final_success_rate": getattr(last_eval, "success_rate", None),
         "final_objective_return": getattr(last_eval, "objective_return", None),  # --teacher-objective
         "final_objective_success": getattr(last_eval, "objective_success", None),
+        **{f"final_objective_{name}": value for name, value in getattr(last_eval, "objective_measures", {}).items()},
     }
     return {key: value for key, value in summary.items() if value is not None}
 
 
-def evaluate_and_log(policy, args, writer, video_dir: Path, device, step: int, on_evaluation: Callable | None = None) -> EvalReturn:
+def evaluate_and_log(
+    policy, args, writer, video_dir: Path, device, step: int, on_evaluation: Callable | None = None, show: Callable | None = None
+) -> EvalReturn:
     """One evaluation (args.evaluation_episodes episodes on seeds from args.seed + 100000, on the layout of the
     run's seed) logged to TensorBoard (and its video to W&B): eval/mean_return, and eval/success_rate on envs that
-    report success, eval/objective_return (and eval/objective_success) with --teacher-objective; `on_evaluation(step,
-    mean_return)` lets a sweep see it and prune the run."""
+    report success, eval/objective_return (and eval/objective_success, eval/objective_<name> of its further
+    measures) with --teacher-objective or --reward-objective; `on_evaluation(step, mean_return)` lets a sweep see it and
+    prune the run; `show(states, step, mean_return)` gets the first episode's simulator states (human mode: the page
+    shows people a clip of what the agent does now)."""
     video = video_dir / f"eval_step_{step}.mp4" if args.capture_video else None
     objective, measures = load_objective(getattr(args, "teacher_objective", "") or getattr(args, "reward_objective", "")), []
+    states = [] if show is not None else None
     returns, successes = evaluate_episodes(
         policy,
         args.env_id,
@@ -135,11 +157,13 @@ def evaluate_and_log(policy, args, writer, video_dir: Path, device, step: int, o
         objective=objective,
         objective_measures=measures,
         terminate_when_tilted=args.terminate_when_tilted,
+        first_states=states,
     )
-    objective_return = float(np.mean([ret for ret, _ in measures])) if measures else None
-    objective_successes = [success for _, success in measures if success is not None]
+    objective_return = float(np.mean([episode.objective_return for episode in measures])) if measures else None
+    objective_successes = [episode.success for episode in measures if episode.success is not None]
     objective_success = float(np.mean(objective_successes)) if objective_successes else None
-    result = EvalReturn(float(np.mean(returns)), success_rate(successes), objective_return, objective_success)
+    further = mean_measures(measures)
+    result = EvalReturn(float(np.mean(returns)), success_rate(successes), objective_return, objective_success, further)
     writer.add_scalar("eval/mean_return", float(result), step)
     writer.add_scalar("eval/std_return", float(np.std(returns)), step)
     if result.success_rate is not None:
@@ -148,7 +172,11 @@ def evaluate_and_log(policy, args, writer, video_dir: Path, device, step: int, o
         writer.add_scalar("eval/objective_return", objective_return, step)
     if objective_success is not None:
         writer.add_scalar("eval/objective_success", objective_success, step)
+    for name, value in further.items():
+        writer.add_scalar(f"eval/objective_{name}", value, step)
     log_video(args, video, step)
+    if show is not None and states:
+        show(np.asarray(states), step, float(result))
     if on_evaluation is not None:
         on_evaluation(step, result)
     return result

@@ -1,6 +1,7 @@
-"""Teachers other than the synthetic one: people answering in the browser through the feedback server
-(humanFeedback/feedback_server.py), and the labels an earlier run saved. Also the log every run keeps of its
-labels (runs/<run>/labels.sqlite), which is what file mode reads back.
+"""Every teacher behind one interface: the synthetic teacher (B-Pref's), people answering in the browser through the
+feedback server (humanFeedback/feedback_server.py), and the labels an earlier run saved; `make_teacher` picks one. Also
+the feedback session a run is in, and the log every run keeps of its labels (runs/<run>/labels.sqlite), which is what
+file mode reads back.
 
 Every teacher answers `label(segments, session) -> (labels, annotators)`: `segments` holds the pairs' arrays
 (obs_actions, masks, true_rewards, physics_states: (N, 2, L, ...)) and their replay-buffer start indices
@@ -8,8 +9,10 @@ Every teacher answers `label(segments, session) -> (labels, annotators)`: `segme
 
 import contextlib
 import copy
+import functools
 import json
 import os
+import queue
 import sys
 import threading
 import time
@@ -22,7 +25,8 @@ import numpy as np
 from . import protocol
 from .checkpoints import training_state
 from .envs import SegmentRenderer, check_can_render, get_physics_state, make_env, segment_frames, write_mp4
-from .errors import need
+from .errors import check_ranges, need
+from .objectives import check_objective, load_objective, segment_rewards
 from .stopping import stoppable_at_once
 
 
@@ -33,22 +37,33 @@ class FeedbackArgs:
     teacher_feedback_mode: Literal["simulated", "human", "file"] = "simulated"
     """who labels: `simulated` (synthetic teacher on the true reward), `human` (people in the browser, through
     the feedback server), `file` (the labels an earlier run saved, --feedback-file)"""
+    teacher_beta: float = -1.0
+    """synthetic teacher's rationality: >= 0 draws labels from Bradley-Terry at this temperature; < 0 is perfect"""
+    teacher_gamma: float = 1.0
+    """synthetic teacher's myopia: step t of an L-step segment weighs gamma^(L-1-t)"""
+    teacher_eps_mistake: float = 0.0
+    """synthetic teacher: probability of flipping a label"""
+    teacher_eps_skip: float = 0.0
+    """synthetic teacher: skip pairs whose returns are both below this fraction of the average segment return"""
+    teacher_eps_equal: float = 0.0
+    """synthetic teacher: call a tie when the returns differ by less than this fraction of the average segment return"""
+    teacher_objective: str = ""
+    """what the teacher prefers instead of the env's reward: a built-in objective or module:function (docs/environments.md)"""
     feedback_server_url: str = "http://localhost:5001"
     """address of the feedback server (human mode)"""
     feedback_server_autostart: bool = False
     """start the feedback server as a child process if none answers at --feedback-server-url"""
     feedback_server_token: str | None = None
-    """shared secret of the feedback server, if it was started with --token; default: the FEEDBACK_SERVER_TOKEN
-    environment variable, which keeps it off the command line (visible to every user in ps)"""
+    """shared secret of the feedback server; default: the FEEDBACK_SERVER_TOKEN environment variable (which keeps it off
+    the command line, visible to every user in ps), else the run's runs/<run>/feedback_token, else (with
+    --feedback-server-autostart) a new one, kept there for a resume"""
     feedback_server_data_dir: str | None = None
     """database and clips of an autostarted server (--feedback-server-autostart); default runs/<run>/feedback_data, one
-    per run. Give several runs the same folder (and URL) to label them all on one page"""
+    per run. Give several runs the same folder, URL and FEEDBACK_SERVER_TOKEN to label them all on one page"""
     feedback_instructions: str = "Which clip shows the agent doing its task better?"
     """the question shown above every pair of this run's clips, e.g. "which one moves forward better?" """
     feedback_file: str | None = None
     """labels.sqlite of an earlier run (runs/<run>/labels.sqlite) to train from in file mode"""
-    feedback_poll_seconds: float = 1.0
-    """how often the trainer asks the server for new answers while a session is open"""
     feedback_check_clips: int = 5
     """human mode: clips with the reward model's predicted return uploaded after each reward update"""
     clip_fps: float | None = None
@@ -58,8 +73,6 @@ class FeedbackArgs:
     clip_height: int = 432
     """size of the clips shown to people: the page shows two side by side at 576 px at most, so they are rendered at
     the size they are seen (the page never enlarges a clip beyond its own size); at most 640x480, MuJoCo's offscreen buffer"""
-    clip_shadows: bool = False
-    """render shadows and reflections in the clips (about 3x slower with software rendering)"""
     feedback_async: bool = False
     """human mode: keep training on the current reward model while people label. A session's pairs are uploaded and
     its answers read every --feedback-async-poll-steps steps without waiting; the reward model learns from them (and
@@ -77,14 +90,23 @@ def need_no_teacher(args: FeedbackArgs, flag: str, why: str) -> None:
     need(mode == "simulated", f"{flag} {why} and asks no teacher: drop --teacher-feedback-mode {mode}")
 
 
+TEACHER_RANGES = {
+    "teacher_gamma": "in [0, 1]",
+    "teacher_eps_mistake": "in [0, 1]",
+    "teacher_eps_skip": "in [0, 1]",
+    "teacher_eps_equal": "in [0, 1]",
+}
+
+
 def validate_feedback_args(args: FeedbackArgs) -> None:
-    """The teacher's settings: --teacher-feedback-mode human|file and how the server and its clips are reached."""
+    """The teacher's settings: the synthetic teacher's noise, --teacher-feedback-mode human|file and how the server and
+    its clips are reached."""
+    check_ranges(args, TEACHER_RANGES)
     if args.teacher_feedback_mode == "file":
         need(args.feedback_file is not None, "--teacher-feedback-mode file needs --feedback-file PATH (a runs/<run>/labels.sqlite)")
         need(Path(args.feedback_file).is_file(), f"--feedback-file {args.feedback_file} does not exist")
     if args.teacher_feedback_mode == "human":
         check_can_render(args.env_id, "--teacher-feedback-mode human")
-    need(args.feedback_poll_seconds > 0, f"--feedback-poll-seconds must be > 0, got {args.feedback_poll_seconds}")
     need(
         not args.feedback_async or args.teacher_feedback_mode == "human",
         f"--feedback-async needs --teacher-feedback-mode human (a {args.teacher_feedback_mode} teacher answers at once: nothing to wait for)",
@@ -134,8 +156,17 @@ class FeedbackClient:
     """JSON/multipart client of the feedback server. Connection failures and 5xx answers are retried with
     exponential backoff (so the trainer survives a server restart); 4xx answers are errors at once."""
 
-    def __init__(self, url: str, token: str | None = None, retry_seconds: float = 600.0, timeout: float = 30.0):
-        self.url, self.token, self.retry_seconds, self.timeout = url.rstrip("/"), token, retry_seconds, timeout
+    RETRY_SECONDS = 600.0  # how long a request is re-sent to a server that is away before the run stops (resumable)
+
+    def __init__(self, url: str, token: str | None = None, retry_seconds: float | None = None, timeout: float = 30.0):
+        self.url, self.token, self.timeout = url.rstrip("/"), token, timeout
+        self.retry_seconds = self.RETRY_SECONDS if retry_seconds is None else retry_seconds
+        self.on_outage = None  # called with the failure once per outage (see OUTAGE_SECONDS)
+        self.away, self.failing_since = False, None
+
+    # A server that refuses connections is away at once; one that is slow to answer (busy storing a large upload) only
+    # once its requests have failed for this long.
+    OUTAGE_SECONDS = 10.0
 
     def request(self, method: str, path: str, json_body=None, fields=None, files=None, retry: bool = True) -> dict:
         import http.client
@@ -153,29 +184,46 @@ class FeedbackClient:
             try:
                 req = urllib.request.Request(self.url + path, data=data, headers=headers, method=method)
                 with urllib.request.urlopen(req, timeout=self.timeout) as response:
-                    return json.loads(response.read() or b"{}")
+                    reply = json.loads(response.read() or b"{}")
+                self.away, self.failing_since = False, None
+                return reply
             except urllib.error.HTTPError as error:
                 if error.code < 500:
                     try:
                         reason = json.loads(error.read()).get("error", "")
                     except ValueError:
                         reason = ""
+                    if error.code in (401, 403):
+                        reason += f" Give the run this server's token ({protocol.TOKEN_ENV}; a server started by hand keeps it in <data-dir>/token)."
                     raise FeedbackServerError(f"{method} {path}: HTTP {error.code} {reason}") from None
                 failure = f"HTTP {error.code}"
             except (urllib.error.URLError, ConnectionError, TimeoutError, http.client.HTTPException, ValueError) as error:
                 # ValueError: a reply cut short by a dying server; every request is idempotent, so re-send it.
-                failure = str(getattr(error, "reason", error)) or type(error).__name__
+                reason = getattr(error, "reason", error)
+                failure = str(reason) or type(error).__name__
+                if isinstance(reason, ConnectionRefusedError):  # nothing listens: away now, whatever came before
+                    self.failing_since = -float("inf")
+            self.failing_since = time.monotonic() if self.failing_since is None else self.failing_since
+            if not self.away and self.on_outage is not None and time.monotonic() - self.failing_since >= self.OUTAGE_SECONDS:
+                self.away = True  # said once per outage; the callback may start the server again
+                self.on_outage(failure)
             if not retry or time.monotonic() + delay > deadline:
                 raise FeedbackServerUnreachable(f"feedback server {self.url} unreachable ({failure})")
             time.sleep(delay)
             delay = min(delay * 2, 10.0)
 
     def alive(self) -> bool:
+        """Whether a server answers at this URL; FeedbackServerError if it refuses this client's token."""
         try:
             self.request("GET", protocol.CONFIG, retry=False)
             return True
-        except FeedbackServerError as error:
-            return "HTTP" in str(error) and "401" not in str(error) and "403" not in str(error)
+        except FeedbackServerUnreachable:
+            return False
+
+    def login_link(self) -> tuple[str, float]:
+        """A one-time login link for a browser, and the seconds within which it works."""
+        reply = self.request("POST", protocol.LOGIN_CODES, json_body={})
+        return self.url + reply["url"], float(reply["expires_seconds"])
 
     def create_run(self, name: str, env_id: str, meta: dict) -> int:
         return int(self.request("POST", protocol.RUNS, json_body={"name": name, "env_id": env_id, "meta": meta})["run_id"])
@@ -198,24 +246,25 @@ class FeedbackClient:
         self.request("POST", protocol.path(protocol.RUN_PROGRESS, run_id=run_id), json_body=report, retry=retry)
 
 
-def start_feedback_server(url: str, log_path: Path, token: str | None = None, data_dir: Path | None = None):
+def start_feedback_server(url: str, log_path: Path, token: str, data_dir: Path | None = None):
     """Starts the feedback server (the installed humanFeedback package, as `python -m humanFeedback.feedback_server`)
-    on the URL's port unless a server already answers there; its database and clips go to data_dir (default:
-    feedback_data in the current directory)."""
+    with `token` on the URL's port unless a server that takes the token already answers there; its database and clips
+    go to data_dir (default: feedback_data in the current directory). The server stops when this process ends, also
+    when it is killed (--exit-with-parent)."""
     import subprocess
     from urllib.parse import urlparse
 
+    need(bool(token), "start_feedback_server needs a token: a server is never started without one")
     client = FeedbackClient(url, token)
     if client.alive():
         return None
     parsed = urlparse(url)
     host, port = parsed.hostname or "127.0.0.1", str(parsed.port or 5001)
-    command = [sys.executable, "-m", "humanFeedback.feedback_server", "--host", host, "--port", port]
+    command = [sys.executable, "-m", "humanFeedback.feedback_server", "--host", host, "--port", port, "--exit-with-parent"]
     if data_dir is not None:
         command += ["--data-dir", str(data_dir)]
     env = {key: value for key, value in os.environ.items() if key != protocol.TOKEN_ENV}
-    if token:
-        env[protocol.TOKEN_ENV] = token  # not --token: a command line is visible to every user in ps
+    env[protocol.TOKEN_ENV] = token  # not --token: a command line is visible to every user in ps
     log_path.parent.mkdir(parents=True, exist_ok=True)
     process = subprocess.Popen(command, stdout=open(log_path, "a"), stderr=subprocess.STDOUT, env=env)
     deadline = time.monotonic() + 30
@@ -236,10 +285,10 @@ class SessionInterrupted(KeyboardInterrupt):
 
 
 class Teacher(Protocol):
-    """Whoever labels a run's pairs: the synthetic teacher (in each algorithm script), people (HumanTeacher) or an
-    earlier run's labels (FileTeacher). `make_teacher` in each script is the one place that picks one, by
-    --teacher-feedback-mode; the training loop only ever talks to this interface. A teacher subclasses it to take the
-    defaults of what it does not need (progress reports, closing)."""
+    """Whoever labels a run's pairs: the synthetic teacher (SyntheticTeacher), people (HumanTeacher) or an earlier run's
+    labels (FileTeacher). `make_teacher` is the one place that picks one, by --teacher-feedback-mode; the training loop
+    only ever talks to this interface. A teacher subclasses it to take the defaults of what it does not need (progress
+    reports, clips for the page, later changes of its answers, closing)."""
 
     labels_are_free: bool
     """asking costs nothing (the synthetic teacher): held-out accuracy is measured on fresh pairs, not on the budget"""
@@ -259,6 +308,12 @@ class Teacher(Protocol):
     def show_reward_check(self, states: np.ndarray, masks: np.ndarray, predicted_returns: np.ndarray, step: int) -> None:
         """Segments with the reward model's predicted return, for people to compare with their own ranking."""
 
+    def show_evaluation(self, states: np.ndarray, step: int, mean_return: float) -> None:
+        """The simulator states of an evaluation's first episode, for people to see what the agent does now."""
+
+    def show_agreement(self, pairs: list[tuple[int, int]], agree: np.ndarray) -> None:
+        """Whether the reward model prefers what was preferred, for each labelled pair (session, index) so far."""
+
     def state_dict(self) -> dict:
         return {}
 
@@ -269,6 +324,19 @@ class Teacher(Protocol):
         """What the teacher measured about the answers of the session just learned from, logged under feedback/ (e.g.
         how often people agreed with --teacher-objective); empty by default."""
         return {}
+
+    def pair_ids(self, session: int, count: int) -> list[int | None]:
+        """Where each of a session's pairs lives at its source (the feedback server's query id), kept in the label log
+        beside its label; None where the teacher has no such place."""
+        return [None] * count
+
+    def latest_labels(self, pairs: list[tuple[int, int]]) -> tuple[np.ndarray, list[str]] | None:
+        """The labels given now to pairs (session, index) of sessions already learned from, and who gave them (nan: no
+        answer now, or a skip): people change their minds. None: this teacher's labels never change once given."""
+        return None
+
+    def stop_learning(self) -> None:
+        """The run reads no answer after this (its end): a teacher that tells people says so before the last read."""
 
     def close(self) -> None:
         pass
@@ -291,10 +359,11 @@ class HumanTeacher(Teacher):
         clip_dir: Path,
         fps: int,
         cursor: int = 0,
-        poll_seconds: float = 1.0,
+        poll_seconds: float = 0.25,
         server_process=None,
         pair_log: Path | None = None,
         objective_returns=None,
+        restart_server=None,
     ):
         self.client, self.run_id, self.renderer, self.clip_dir, self.fps = client, run_id, renderer, clip_dir, fps
         # runs/<run>/shown_pairs.jsonl: one line per uploaded pair (query id, segment ids, env returns and, with
@@ -304,15 +373,27 @@ class HumanTeacher(Teacher):
         self.measured_query_ids: list = []  # the query ids of the latest session that started (session_measures)
         self.cursor, self.poll_seconds = cursor, poll_seconds
         self.server_process = server_process  # the feedback server this teacher started, stopped with it
-        self.answers: dict[int, dict] = {}  # query id -> latest answer; survives an interrupted session
+        self.restart_server = restart_server  # () -> a new server process, on the same data: when the one it started dies
+        self.logged_pairs = set()  # query ids in shown_pairs.jsonl: a resumed run logs each pair once
+        if pair_log is not None and pair_log.is_file():
+            self.logged_pairs = {json.loads(line)["query_id"] for line in pair_log.read_text().splitlines() if line.strip()}
+        self.answers: dict[int, dict] = {}  # query id -> latest answer (an undone one removed); kept in the checkpoint
+        self.pair_query: dict[tuple[int, int], int] = {}  # (session, pair) -> query id of every pair uploaded
         self.open: dict | None = None  # the open session: {"session": n, "query_ids": [id or None per pair]}
         self.worker, self.stop_upload, self.upload_errors = None, threading.Event(), []
-        self.render_lock = threading.Lock()  # --feedback-async: the next session's clips render during the reward check's
+        self.render_lock = threading.Lock()  # one renderer: the pairs' upload thread and the page worker take turns
+        self.page_jobs: queue.Queue = queue.Queue()  # clips for the page (reward checks, evaluations), rendered off the loop
+        self.page_worker = threading.Thread(target=self._show_on_page, daemon=True)
+        self.page_worker.start()
         # The trainer's news for the page (report_progress): when sessions come, how fast steps go, the last sent.
         self.total_steps, self.first_session_step, self.session_frequency = 0, 0, 1
         self.step, self.sessions_done, self.sessions_total = 0, 0, 0
         self.progress_client = FeedbackClient(client.url, client.token, retry_seconds=0, timeout=2.0)
+        client.on_outage = self.progress_client.on_outage = self.server_away
+        self.outage_said = -float("inf")  # when the terminal last heard of an outage (once a minute is enough)
+        self.outage_lock = threading.Lock()
         self.next_report, self.reporter, self.rate_mark, self.steps_per_second = 0.0, None, None, None
+        self.agreement: dict[str, float] = {}  # annotator -> share of their labels the reward model agrees with
 
     progress_seconds = 5.0  # the trainer reports its progress to the server at most this often
 
@@ -346,6 +427,8 @@ class HumanTeacher(Teacher):
                 report["seconds_to_next_session"] = round((next_step - self.step) / self.steps_per_second, 1)
         if self.steps_per_second:
             report["steps_per_second"] = round(self.steps_per_second, 2)
+        if self.agreement:
+            report["agreement"] = self.agreement
         return report
 
     def _send_report(self, report: dict) -> None:
@@ -374,6 +457,7 @@ class HumanTeacher(Teacher):
                 if stop.is_set():
                     return
                 if query_ids[i] is not None:  # uploaded before the run was resumed (and logged then)
+                    self.pair_query[(session, i)] = query_ids[i]
                     if objective is not None:
                         self.shown[query_ids[i]] = objective[i]
                     continue
@@ -390,6 +474,7 @@ class HumanTeacher(Teacher):
                     "session": session,
                 }
                 query_ids[i] = self.client.upload_queries(self.run_id, [query], {path.name: path for path in clips.values()})[0]
+                self.pair_query[(session, i)] = query_ids[i]
                 pair_returns = None if env_returns is None else env_returns[i]
                 self.log_shown_pair(query_ids[i], session, i, query, pair_returns, None if objective is None else objective[i])
         except BaseException as error:  # reported by the waiting thread
@@ -398,8 +483,9 @@ class HumanTeacher(Teacher):
     def log_shown_pair(self, query_id: int, session: int, pair: int, query: dict, env_returns: list | None, objective: list | None) -> None:
         if objective is not None:
             self.shown[query_id] = objective
-        if self.pair_log is None:
+        if self.pair_log is None or query_id in self.logged_pairs:  # a resumed run uploads the same pair again: logged once
             return
+        self.logged_pairs.add(query_id)
         line = {"query_id": query_id, "session": session, "pair": pair, "left_segment_id": query["left_segment_id"]}
         line["right_segment_id"] = query["right_segment_id"]
         if env_returns is not None:
@@ -438,10 +524,13 @@ class HumanTeacher(Teacher):
         query_ids = self.start(segments, session)
         try:
             with stoppable_at_once():  # people may take minutes: Ctrl-C keeps their answers and the session open
+                said = ""
                 while True:
                     labels, annotators, answered = self.poll()
                     uploaded = sum(q is not None for q in query_ids)
-                    print(f"\rfeedback session {session}: {answered.sum()}/{count} answered, {uploaded} uploaded", end="", flush=True)
+                    if (news := f"\rfeedback session {session}: {answered.sum()}/{count} answered, {uploaded} uploaded") != said:
+                        print(news, end="", flush=True)  # when it changes: a log file gets a line per answer, not per poll
+                        said = news
                     if answered.all():
                         break
                     time.sleep(self.poll_seconds)
@@ -490,6 +579,39 @@ class HumanTeacher(Teacher):
         labels, annotators = self._labels_of(query_ids)
         return labels, annotators, np.array([qid is not None and qid in self.answers for qid in query_ids])
 
+    def pair_ids(self, session: int, count: int) -> list[int | None]:
+        return [self.pair_query.get((session, i)) for i in range(count)]
+
+    def server_away(self, failure: str) -> None:
+        """A request found the server away: the one this run started is started again on the same data (nothing a
+        person gave is lost, and the page works again as soon as it answers); another is waited for, on the terminal."""
+        with self.outage_lock:  # the training loop, the upload thread and the page worker may all find it away
+            if time.monotonic() - self.outage_said < 60:
+                return
+            self.outage_said = time.monotonic()
+            self._after_outage(failure)
+
+    def _after_outage(self, failure: str) -> None:
+        if self.server_process is not None and self.server_process.poll() is not None and self.restart_server is not None:
+            print(f"\nfeedback server: the server this run started stopped (exit code {self.server_process.returncode}); starting it again")
+            try:
+                self.server_process = self.restart_server()
+                print(f"feedback server: answering again at {self.client.url}/; labels given so far are kept", flush=True)
+            except FeedbackServerError as error:
+                print(f"feedback server: could not start it again ({error}); the run keeps asking", flush=True)
+            return
+        print(f"\nfeedback server: {self.client.url} does not answer ({failure}); the run asks again and again, and keeps "
+              "every label it has", flush=True)  # fmt: skip
+
+    def latest_labels(self, pairs: list[tuple[int, int]]) -> tuple[np.ndarray, list[str]] | None:
+        """The answers now on the server (one request without retries; None when it does not answer, so that nothing
+        is taken for undone while the server is away)."""
+        try:
+            self._read_new_answers(retry=False)
+        except FeedbackServerError:
+            return None
+        return self._labels_of([self.pair_query.get(pair) for pair in pairs])
+
     def finish(self) -> None:
         """The open session is answered: its upload thread (done by now) is told to stop, and the session closed."""
         self.measured_query_ids = list(self.open["query_ids"]) if self.open else []
@@ -503,34 +625,65 @@ class HumanTeacher(Teacher):
                 labels[i], annotators[i] = CHOICE_LABELS[self.answers[qid]["choice"]], self.answers[qid]["annotator"]
         return labels, annotators
 
+    EVALUATION_CLIP_STEPS = 300  # steps of an evaluation episode's start shown on the page (Hopper: 2.4 s)
+
     def show_reward_check(self, states: np.ndarray, masks: np.ndarray, predicted_returns: np.ndarray, step: int) -> None:
-        """Clips with the reward model's predicted return, shown ranked on the page's reward view: a person can
-        compare the model's ranking with their own (states (N, L, S), masks (N, L))."""
-        clips, evaluations = {}, []
-        for i in range(len(states)):
-            path = self.render_clip(f"run{self.run_id}_check_{step}_{i}.mp4", states[i], masks[i])
-            clips[path.name] = path
-            evaluations.append({"clip": path.name, "predicted_return": float(predicted_returns[i]), "step": step})
-        self.client.upload_evaluations(self.run_id, evaluations, clips)
+        """Clips with the reward model's predicted return, shown ranked on the page's reward view: a person can compare
+        the model's ranking with their own (states (N, L, S), masks (N, L)). Rendered and uploaded by the page worker:
+        training goes on meanwhile."""
+        names = [f"run{self.run_id}_check_{step}_{i}.mp4" for i in range(len(states))]
+        self.page_jobs.put(([*zip(names, states, masks, map(float, predicted_returns), strict=True)], step, "check"))
+
+    def show_evaluation(self, states: np.ndarray, step: int, mean_return: float) -> None:
+        """The start of an evaluation episode beside the pairs: what the agent does now (the page worker renders it)."""
+        states = states[: self.EVALUATION_CLIP_STEPS]
+        self.page_jobs.put(([(f"run{self.run_id}_eval_{step}.mp4", states, np.ones(len(states), bool), mean_return)], step, "agent"))
+
+    def show_agreement(self, pairs: list[tuple[int, int]], agree: np.ndarray) -> None:
+        """Each person's share of labels the reward model agrees with, on the page's run panel (the next progress news)."""
+        people = [self.answers.get(self.pair_query.get(pair), {}).get("annotator") for pair in pairs]
+        shares = {person: float(np.mean([a for a, p in zip(agree, people) if p == person])) for person in set(people) if person}
+        self.agreement, self.next_report = shares, 0.0
+
+    def _show_on_page(self) -> None:
+        """The page worker: renders and uploads each job in order, while the training loop runs on (a job the server
+        refuses or an unreachable server costs the page a clip, never the run)."""
+        while (job := self.page_jobs.get()) is not None:
+            clips, step, kind = job
+            try:
+                paths = {name: self.render_clip(name, states, mask) for name, states, mask, _ in clips}
+                entries = [{"clip": name, "predicted_return": value, "step": step, "kind": kind} for name, _, _, value in clips]
+                self.client.upload_evaluations(self.run_id, entries, paths)
+            except Exception as error:  # noqa: BLE001 (the page's news: training goes on whatever happened to it)
+                what = "an evaluation clip" if kind == "agent" else "a reward-check clip"
+                print(f"feedback server: {what} of step {step} did not reach the page ({error})", flush=True)
+            finally:
+                self.page_jobs.task_done()
 
     def state_dict(self) -> dict:
-        """The answers cursor, and the open session's query ids and the answers read for them (a checkpoint of an
-        older version has only the cursor)."""
-        if self.open is None:
-            return {"cursor": self.cursor, "open": None, "answers": {}}
-        query_ids = list(self.open["query_ids"])
-        answers = {qid: dict(self.answers[qid]) for qid in query_ids if qid in self.answers}
-        return {"cursor": self.cursor, "open": {"session": self.open["session"], "query_ids": query_ids}, "answers": answers}
+        """The answers cursor, the open session's query ids, every uploaded pair's query id and the answers read (a
+        resumed run sees later changes to earlier sessions' answers against them)."""
+        opened = None if self.open is None else {"session": self.open["session"], "query_ids": list(self.open["query_ids"])}
+        pairs = [[session, index, qid] for (session, index), qid in self.pair_query.items()]
+        return {"cursor": self.cursor, "open": opened, "answers": copy.deepcopy(self.answers), "pairs": pairs}
 
     def load_state_dict(self, state: dict) -> None:
         self.cursor, self.open = state["cursor"], copy.deepcopy(state.get("open"))
         self.answers = copy.deepcopy(state.get("answers", {}))
+        self.pair_query = {(session, index): qid for session, index, qid in state.get("pairs", [])}
 
-    def close(self) -> None:
-        self.next_report = float("inf")  # the last news: the run has ended, or stopped before its end
+    def stop_learning(self) -> None:
+        """The last news before the last read of answers: the run has ended (an answer given now is not learned from),
+        or stopped before its end (its resume will learn it); the page says which when a person changes an answer."""
+        self.next_report = float("inf")
         with contextlib.suppress(Exception):
             phase = "finished" if self.total_steps and self.step >= self.total_steps else "stopped"
             self.progress_client.report_progress(self.run_id, self.progress_report(phase), retry=False)
+
+    def close(self) -> None:
+        self.stop_learning()
+        self.page_jobs.put(None)
+        self.page_worker.join(timeout=60)  # the last clips reach the page, unless the server keeps them waiting
         self.renderer.close()
         if self.server_process is not None:
             self.server_process.terminate()
@@ -580,10 +733,13 @@ class LabelLog:
         with self.db:
             self.db.execute(
                 "CREATE TABLE IF NOT EXISTS labels (id INTEGER PRIMARY KEY, global_step INTEGER, session INTEGER, label REAL, annotator TEXT,"
-                " obs_actions BLOB, masks BLOB, true_rewards BLOB, physics_states BLOB, shapes TEXT, pair_key TEXT)"
+                " obs_actions BLOB, masks BLOB, true_rewards BLOB, physics_states BLOB, shapes TEXT, pair_key TEXT, query_id INTEGER)"
             )
-            if "pair_key" not in [row[1] for row in self.db.execute("PRAGMA table_info(labels)")]:
+            columns = [row[1] for row in self.db.execute("PRAGMA table_info(labels)")]
+            if "pair_key" not in columns:
                 self.migrate()
+            if "query_id" not in columns:  # the feedback server's query of each person's label
+                self.db.execute("ALTER TABLE labels ADD COLUMN query_id INTEGER")
             self.db.execute("CREATE UNIQUE INDEX IF NOT EXISTS labels_pair_key ON labels (pair_key)")
 
     @staticmethod
@@ -606,21 +762,31 @@ class LabelLog:
                 seen.add(key)
                 self.db.execute("UPDATE labels SET pair_key = ? WHERE id = ?", (key, row_id))
 
-    def append(self, segments: dict, labels: np.ndarray, annotators: list[str], session: int, global_step: int) -> None:
+    def append(self, segments: dict, labels: np.ndarray, annotators: list[str], session: int, global_step: int, query_ids=None) -> None:
         """A session's pairs with labels (N,): those not nan (skipped or not answered) are written in one transaction,
-        each once."""
+        each once, with the feedback server's query id where the labels are people's (query_ids, N)."""
         rows = []
         for i in np.flatnonzero(~np.isnan(labels)):
             arrays = {name: np.ascontiguousarray(segments[name][i]) for name in self.ARRAYS}
             shapes = json.dumps({name: [list(a.shape), str(a.dtype)] for name, a in arrays.items()})
             blobs = [a.tobytes() for a in arrays.values()]
-            rows.append((global_step, session, float(labels[i]), annotators[i], *blobs, shapes, self.key(session, *blobs[:2])))
+            query = None if query_ids is None else query_ids[i]
+            rows.append((global_step, session, float(labels[i]), annotators[i], *blobs, shapes, self.key(session, *blobs[:2]), query))
         with self.db:
             self.db.executemany(
                 "INSERT OR IGNORE INTO labels (global_step, session, label, annotator, obs_actions, masks, true_rewards, physics_states,"
-                " shapes, pair_key) VALUES (?,?,?,?,?,?,?,?,?,?)",
+                " shapes, pair_key, query_id) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
                 rows,
             )
+
+    def correct(self, session: int, obs_actions: np.ndarray, masks: np.ndarray, label: float, annotator: str) -> None:
+        """The label of a recorded pair changed: its new value, or (label nan: the answer was taken back) no row."""
+        key = self.key(session, np.ascontiguousarray(obs_actions).tobytes(), np.ascontiguousarray(masks).tobytes())
+        with self.db:
+            if np.isnan(label):
+                self.db.execute("DELETE FROM labels WHERE pair_key = ?", (key,))
+            else:
+                self.db.execute("UPDATE labels SET label = ?, annotator = ? WHERE pair_key = ?", (float(label), annotator, key))
 
     def close(self) -> None:
         self.db.close()
@@ -639,13 +805,66 @@ class FeedbackSession:
         self.number, self.segments, self.before = 0, None, None
         self.trainer_idle = self.people_idle = self.session_trainer_idle = 0.0
         self.opened_at = self.completed_at = None
+        self.last_answer_at = 0.0  # when the open session last got a new answer (--feedback-async: left, give way)
         self.uploading, self.next_poll = False, 0
         self.staged: dict | None = None  # {"number": n, "segments": ...}: the next session's pairs, already put up
         self.staged_here = False  # staged by this process, whose upload runs; after a resume the teacher is asked again
+        self.people_answer = False  # the teacher asked last is people (the time each side waits is measured)
+        self.closing = False  # --feedback-async: the open session gives way to the next one, answered or not
+        self.corrections = 0  # labels of earlier sessions changed at the last record (people changed their minds)
+        self.rows: dict[tuple[int, int], int] = {}  # (session, pair) -> preference-buffer row of each label recorded
+        self.unlabelled: dict[tuple[int, int], dict] = {}  # (session, pair) -> arrays of a person's pair without a label
+        self.step_wait = self.longest_wait = (-1, 0.0)  # (step, seconds on feedback): the current step's, the longest's
 
     @property
     def open(self) -> bool:
         return self.segments is not None
+
+    def ready(self, teacher, label_log: "LabelLog", args, step: int, last: bool, done: int, sessions: int, due, choose_pairs) -> bool:
+        """The session's part of a training step; True when the reward model is to learn from its answers now. Opens
+        session done + 1 of `sessions` once `due(done)` (its pairs staged earlier, or `choose_pairs(number)`), asks the
+        teacher (`ask`), and with --feedback-async, once all answers are in, puts the next session's pairs up if it is
+        due, so that people label them while the reward model learns. The time it takes counts as the step's wait on
+        feedback (`waited`), but at the run's last step, where the run waits for the open session by design."""
+        begun = time.perf_counter()
+        try:
+            return self._ready(teacher, label_log, args, step, last, done, sessions, due, choose_pairs)
+        finally:
+            if not last:
+                self.waited(time.perf_counter() - begun, step)
+
+    def waited(self, seconds: float, step: int) -> None:
+        """`seconds` of training step `step` spent on feedback (asking, reading answers, putting pairs up): the longest
+        step's total is reported with the run (--feedback-async promises it stays short)."""
+        so_far = self.step_wait[1] if self.step_wait[0] == step else 0.0
+        self.step_wait = (step, so_far + seconds)
+        if self.step_wait[1] > self.longest_wait[1]:
+            self.longest_wait = self.step_wait
+
+    def _ready(self, teacher, label_log: "LabelLog", args, step: int, last: bool, done: int, sessions: int, due, choose_pairs) -> bool:
+        if not self.open and done < sessions and due(done):
+            number = done + 1  # checkpoints keep the open session's pairs
+            self.start(self.take_staged(number) or choose_pairs(number), number)
+        if self.open and args.feedback_async and self.number < sessions and due(self.number) and self.left(teacher):
+            self.closing = True  # the next session is due: learn from what is in and ask newer pairs (late answers still count)
+            teacher.finish()
+            return True
+        if not (self.open and self.ask(teacher, label_log, args, step, last)):
+            return False
+        number = self.number + 1
+        if self.stages_next(args, last) and number <= sessions and due(self.number):
+            self.stage(choose_pairs(number), number, teacher)
+        return True
+
+    GIVE_WAY_SECONDS = 60.0  # --feedback-async: a session nobody answered for this long, all its pairs up, gives way
+
+    def left(self, teacher) -> bool:
+        """Whether people left the open session: some of its pairs unanswered, though all are on the page, and no new
+        answer for GIVE_WAY_SECONDS. People still at work finish it; a session left gives way to the next one when that
+        is due, so that someone who comes back finds pairs of the policy as it is now."""
+        if self.answered.all() or None in teacher.pair_ids(self.number, len(self.labels)):
+            return False
+        return time.time() - max(self.opened_at, self.last_answer_at) > self.GIVE_WAY_SECONDS
 
     def stages_next(self, args, last: bool) -> bool:
         """Whether the next session's pairs are to go up now, before the reward model learns from this session's
@@ -676,7 +895,7 @@ class FeedbackSession:
         count = len(segments["segment_ids"])
         self.number, self.segments, self.annotators = number, segments, [""] * count
         self.labels, self.answered, self.recorded = np.full(count, np.nan, np.float32), np.zeros(count, bool), np.zeros(count, bool)
-        self.opened_at, self.session_trainer_idle = time.time(), 0.0
+        self.opened_at, self.session_trainer_idle, self.last_answer_at = time.time(), 0.0, 0.0
         if self.completed_at is not None:
             self.people_idle += self.opened_at - self.completed_at
 
@@ -686,6 +905,7 @@ class FeedbackSession:
         far in the label log (with their annotators) and the session open in the checkpoint. With --feedback-async the
         pairs are uploaded once and the answers read every --feedback-async-poll-steps steps, never waiting: True once
         all are in, or --feedback-async-update-every new ones."""
+        self.people_answer = teacher.people_answer
         if self.answered.all():  # a resumed session whose update was cut short: redo it
             return True
         waited = time.time()
@@ -694,7 +914,8 @@ class FeedbackSession:
                 try:
                     labels, annotators = teacher.label(self.segments, self.number)
                 except SessionInterrupted as partial:
-                    label_log.append(self.segments, partial.labels, partial.annotators, self.number, step)
+                    query_ids = teacher.pair_ids(self.number, len(partial.labels))
+                    label_log.append(self.segments, partial.labels, partial.annotators, self.number, step, query_ids)
                     raise
                 self.labels, self.annotators, self.answered = labels, list(annotators), np.ones(len(labels), bool)
                 self.recorded = self.recorded[: len(labels)]  # a file teacher may answer fewer pairs than asked
@@ -709,9 +930,11 @@ class FeedbackSession:
                     labels, annotators, answered = teacher.poll(retry=False)
                 except FeedbackServerUnreachable:  # the server is away: training goes on, the answers are read later
                     return False
-                new = answered & ~self.answered  # an answer once read stays (a later edit is not learned from twice)
-                self.labels[new], self.answered = labels[new], self.answered | new
-                self.annotators = [a if ok else old for a, old, ok in zip(annotators, self.annotators, new)]
+                waiting = ~self.recorded  # the latest answer of each pair not learned from yet (an undo takes one back)
+                if (answered[waiting] & ~self.answered[waiting]).any():
+                    self.last_answer_at = time.time()
+                self.labels[waiting], self.answered[waiting] = labels[waiting], answered[waiting]
+                self.annotators = [a if wait else old for a, old, wait in zip(annotators, self.annotators, waiting)]
                 if self.answered.all():
                     teacher.finish()
         finally:
@@ -730,20 +953,91 @@ class FeedbackSession:
         with stoppable_at_once():  # it may take minutes, and the checkpoint sets it aside exactly: Ctrl-C stops it at once
             yield
         self.before = None
-        if self.answered.all():
-            self.segments, self.uploading, self.next_poll = None, False, 0
+        if self.answered.all() or self.closing:
+            self.segments, self.uploading, self.next_poll, self.closing = None, False, 0, False
 
     def rollback(self) -> dict:
         """What a checkpoint written now takes instead of the live training state: the state from before the running
         update, or nothing."""
         return self.before or {}
 
+    def reconcile(self, teacher, prefs, label_log: "LabelLog", loop, heldout_fraction: float, rng) -> int:
+        """Brings the preference buffer and the label log to the teacher's latest answers for the pairs of sessions
+        already learned from: an edited answer replaces its label, one taken back (undone) takes its label out (the
+        pair is kept, should it be answered again), and a pair skipped or undone that has an answer now goes in.
+        Returns how many labels changed; a teacher whose labels never change (latest_labels None) changes none."""
+        pairs = [*self.rows, *self.unlabelled]
+        latest = teacher.latest_labels(pairs) if pairs else None
+        if latest is None:
+            return 0
+        labels, annotators = latest
+        changed, dropped, added = 0, [], []
+        for pair, label, annotator in zip(pairs, labels, annotators):
+            row = self.rows.get(pair)
+            if row is None:
+                if not np.isnan(label):
+                    added.append((pair, label, annotator))
+                continue
+            if np.isnan(label) or label != prefs.labels[row]:
+                label_log.correct(pair[0], prefs.obs_actions[row], prefs.masks[row], label, annotator)
+                changed += 1
+            if np.isnan(label):
+                dropped.append(pair)
+            elif label != prefs.labels[row]:
+                prefs.labels[row] = label
+        if dropped:
+            self.drop(dropped, prefs)
+        for pair, label, annotator in added:
+            arrays = self.unlabelled.pop(pair)
+            heldout = np.array([rng.random() < heldout_fraction])
+            prefs.add(*(arrays[name][None] for name in LabelLog.ARRAYS), np.array([label], np.float32), heldout, loop.global_step)
+            self.rows[pair] = len(prefs) - 1
+            single = {name: arrays[name][None] for name in LabelLog.ARRAYS}
+            label_log.append(single, np.array([label]), [annotator], pair[0], loop.global_step, teacher.pair_ids(pair[0], pair[1] + 1)[-1:])
+        loop.labels_obtained += len(added) - len(dropped)
+        return changed + len(added)
+
+    def settle(self, teacher, prefs, label_log: "LabelLog", loop, heldout_fraction: float, rng) -> None:
+        """At the run's end: people's latest answers into the label log and the preference buffer (reconcile), and one
+        line saying whether the run keeps the labels the feedback server has."""
+        if not self.people_answer:
+            return
+        teacher.stop_learning()
+        self.reconcile(teacher, prefs, label_log, loop, heldout_fraction, rng)
+        latest = teacher.latest_labels(list(self.rows))
+        if latest is None:
+            print("labels: the feedback server did not answer at the end; toolbox/labels.py check <run folder> compares them later")
+            return
+        differ = [pair for pair, label in zip(self.rows, latest[0]) if label != prefs.labels[self.rows[pair]]]
+        kept = f"{len(self.rows)} labels"
+        print(f"labels: the run keeps {kept}, each as the feedback server has it" if not differ else
+              f"labels: {len(differ)} of the run's {kept} differ from the feedback server's; toolbox/labels.py check names them")  # fmt: skip
+
+    def drop(self, pairs: list[tuple[int, int]], prefs) -> None:
+        """Takes the labels of `pairs` out of the preference buffer, keeping each pair's arrays (unlabelled)."""
+        rows = np.array(sorted(self.rows[pair] for pair in pairs))
+        for pair in pairs:
+            row = self.rows.pop(pair)
+            self.unlabelled[pair] = {name: getattr(prefs, name)[row].copy() for name in LabelLog.ARRAYS}
+        prefs.load_state_dict({name: np.delete(values, rows, axis=0) for name, values in prefs.state_dict().items()})
+        self.rows = {pair: row - int(np.searchsorted(rows, row)) for pair, row in self.rows.items()}
+
     def idle_seconds(self) -> dict:
-        return {"trainer_idle_seconds": self.trainer_idle, "people_idle_seconds": self.people_idle}
+        """Seconds the trainer waited for people and people for the trainer, in all; nothing where no person answers."""
+        if not self.people_answer:
+            return {}
+        longest = {"feedback_longest_step_wait_seconds": self.longest_wait[1], "feedback_longest_step_wait_step": self.longest_wait[0]}
+        return {"trainer_idle_seconds": self.trainer_idle, "people_idle_seconds": self.people_idle} | longest
 
     def state_dict(self) -> dict:
         state = {"number": self.number, "segments": self.segments, "trainer_idle": self.trainer_idle, "people_idle": self.people_idle}
-        state["staged"] = self.staged
+        state |= {
+            "staged": self.staged,
+            "closing": self.closing,
+            "unlabelled": [[*pair, arrays] for pair, arrays in self.unlabelled.items()],
+        }
+        state["rows"] = [[*pair, row] for pair, row in self.rows.items()]
+        state["longest_wait"] = list(self.longest_wait)
         if self.open:
             state |= {"labels": self.labels, "annotators": self.annotators, "answered": self.answered, "recorded": self.recorded}
         return copy.deepcopy(state)
@@ -753,27 +1047,42 @@ class FeedbackSession:
         self.number, self.segments = state["number"], state["segments"]
         self.trainer_idle, self.people_idle, self.opened_at = state["trainer_idle"], state["people_idle"], time.time()
         self.staged, self.staged_here = state.get("staged"), False  # a checkpoint of an older version staged nothing
+        self.closing = state.get("closing", False)
+        self.longest_wait = tuple(state.get("longest_wait", (-1, 0.0)))
+        self.rows = {(session, index): row for session, index, row in state.get("rows", [])}
+        self.unlabelled = {(session, index): arrays for session, index, arrays in state.get("unlabelled", [])}
         if self.open:
             self.labels, self.annotators, self.answered, self.recorded = (
                 state[k] for k in ("labels", "annotators", "answered", "recorded")
             )
 
 
-def record_labels(prefs, label_log: LabelLog, session: FeedbackSession, loop, heldout_fraction: float, rng) -> None:
+def record_labels(prefs, label_log: LabelLog, session: FeedbackSession, loop, heldout_fraction: float, rng, teacher) -> None:
     """The session's answers not recorded yet into the preference buffer (a random heldout_fraction of them held out
     for validation) and into runs/<run>/labels.sqlite; skipped ones (nan) are only counted. The session counts as
-    done once all its answers are recorded."""
+    done once all its answers are recorded (or it gives way to the next one: its unanswered pairs wait, unlabelled,
+    for a late answer). Earlier sessions' labels are first brought to the teacher's latest answers (reconcile; how many
+    changed is logged with the session)."""
+    begun = time.perf_counter()
+    session.corrections = session.reconcile(teacher, prefs, label_log, loop, heldout_fraction, rng)
+    session.waited(time.perf_counter() - begun, loop.global_step)
     new = session.answered & ~session.recorded
     labels = np.where(new, session.labels, np.nan).astype(np.float32)
     answered = ~np.isnan(labels)
     heldout = np.zeros(len(labels), bool)
     heldout[new] = rng.random(int(new.sum())) < heldout_fraction
     kept = {name: session.segments[name][answered] for name in LabelLog.ARRAYS}
+    first_row = len(prefs)
     prefs.add(*kept.values(), labels[answered], heldout[answered], loop.global_step)
-    label_log.append(session.segments, labels, session.annotators, session.number, loop.global_step)
+    query_ids = teacher.pair_ids(session.number, len(labels))
+    label_log.append(session.segments, labels, session.annotators, session.number, loop.global_step, query_ids)
+    session.rows |= {(session.number, int(i)): first_row + k for k, i in enumerate(np.flatnonzero(answered))}
+    if session.people_answer:  # a person may answer a skipped (or, given way, an unanswered) pair later
+        waiting = np.flatnonzero(~session.recorded & ~answered & (session.answered | session.closing))
+        session.unlabelled |= {(session.number, int(i)): {name: session.segments[name][i] for name in LabelLog.ARRAYS} for i in waiting}
     loop.labels_obtained += int(answered.sum())
     loop.queries_skipped += int((new & ~answered).sum())
-    session.recorded |= new
+    session.recorded |= new | session.closing
     loop.sessions_done += int(session.recorded.all())
 
 
@@ -808,24 +1117,50 @@ def connect_human_teacher(args, run_name: str, run_dir: Path, clip_dir: Path, ob
         "teacher or --teacher-feedback-mode file",
     )
     server_process = None
-    token = args.feedback_server_token or os.environ.get(protocol.TOKEN_ENV) or None
+    token = feedback_token(args, run_dir)
     if args.feedback_server_autostart:
         data_dir = Path(args.feedback_server_data_dir) if args.feedback_server_data_dir else run_dir / "feedback_data"
         server_process = start_feedback_server(args.feedback_server_url, run_dir / "feedback_server.log", token, data_dir)
     client = FeedbackClient(args.feedback_server_url, token)
-    renderer = SegmentRenderer(args.env_id, args.clip_width, args.clip_height, shadows=args.clip_shadows)
+    renderer = SegmentRenderer(args.env_id, args.clip_width, args.clip_height, shadows=False)  # 3x faster with software GL
     fps = args.clip_fps or real_time_fps(renderer.env)
     meta = {"seed": args.seed, "segment_length": args.segment_length, "instructions": args.feedback_instructions.strip()}
     run_id = client.create_run(run_name, args.env_id, meta | {"clip_fps": fps, "clip_seconds": round(args.segment_length / fps, 3)})
-    print(f"feedback server: label at {args.feedback_server_url}/ (run {run_id})")
+    if token is None:
+        print(f"feedback server: label at {args.feedback_server_url}/ (run {run_id})")
+    else:  # one-time: once opened, a copy of the line in a log (or W&B's console capture) lets nobody in
+        link, seconds = client.login_link()
+        print(f"feedback server: log in at {link} (the link works once, within {seconds / 3600:g} h; run {run_id})")
+    restart = None
+    if server_process is not None:
+        restart = functools.partial(start_feedback_server, args.feedback_server_url, run_dir / "feedback_server.log", token, data_dir)
     teacher = HumanTeacher(
-        client, run_id, renderer, clip_dir, fps, poll_seconds=args.feedback_poll_seconds, server_process=server_process,
-        pair_log=run_dir / "shown_pairs.jsonl", objective_returns=objective_returns,
+        client, run_id, renderer, clip_dir, fps, server_process=server_process,
+        pair_log=run_dir / "shown_pairs.jsonl", objective_returns=objective_returns, restart_server=restart,
     )  # fmt: skip
     # when sessions come, for the page's "next session in about ..." (PrefPPO's come after the rollout that reaches the step)
     teacher.total_steps, teacher.session_frequency = args.total_timesteps, args.teacher_feedback_frequency
     teacher.first_session_step = args.total_explore_steps if args.unsupervised_exploration else getattr(args, "learning_starts", 0)
     return teacher
+
+
+TOKEN_FILE = "feedback_token"  # runs/<run>/feedback_token: the token of the run's feedback server (mode 0600)
+
+
+def feedback_token(args, run_dir: Path) -> str | None:
+    """The feedback server's token for this run: --feedback-server-token, else FEEDBACK_SERVER_TOKEN, else the one kept in
+    runs/<run>/feedback_token by the run's earlier start (a resumed run: its `to resume:` line never carries the token),
+    else, when the run starts the server itself, a new one. A token in use is kept in that file (mode 0600; never in
+    args.json), so that a resumed run starts its server with the same token and logged-in browsers stay logged in."""
+    import secrets
+
+    path = run_dir / TOKEN_FILE
+    token = args.feedback_server_token or os.environ.get(protocol.TOKEN_ENV) or protocol.read_token_file(path)
+    if token is None and args.feedback_server_autostart:
+        token = secrets.token_urlsafe(32)
+    if token is not None and protocol.read_token_file(path) != token:
+        protocol.write_token_file(path, token)
+    return token
 
 
 def real_time_fps(env) -> float:
@@ -834,3 +1169,106 @@ def real_time_fps(env) -> float:
     if dt is None and hasattr(env.unwrapped, "_env") and hasattr(env.unwrapped._env, "control_timestep"):
         dt = env.unwrapped._env.control_timestep()
     return 1.0 / float(dt) if dt else float(env.metadata.get("render_fps", 30))
+
+
+class SyntheticTeacher(Teacher):
+    """B-Pref's simulated teacher (Lee et al. 2021): labels pairs by their true return, or with --teacher-objective by
+    the objective's, with B-Pref's irrationalities (rationality beta, myopia gamma, mistakes, skips, ties). Its own
+    seeded RNG. The skip and tie thresholds are fractions of the average segment return: the replay buffer's true
+    reward, or the objective's over the session's segments."""
+
+    labels_are_free = True  # held-out accuracy is measured on fresh pairs, not on labels of the budget
+
+    def __init__(
+        self, beta: float, gamma: float, eps_mistake: float, eps_skip: float, eps_equal: float, seed: int, rb=None, objective=None
+    ):
+        self.objective, self.rb = objective, rb
+        self.beta, self.gamma = beta, gamma
+        self.eps_mistake, self.eps_skip, self.eps_equal = eps_mistake, eps_skip, eps_equal
+        self.rng = np.random.default_rng(seed)
+        self.threshold_skip = self.threshold_equal = 0.0
+
+    def set_margin(self, average_segment_return: float) -> None:
+        """Thresholds are fractions of the average true return of a segment (segment length x mean reward)."""
+        self.threshold_skip = self.eps_skip * average_segment_return
+        self.threshold_equal = self.eps_equal * average_segment_return
+
+    def label(self, segments: dict, session: int) -> tuple[np.ndarray, list[str]]:
+        if self.objective is not None:  # one vectorised call over the session's segments
+            true_rewards = segment_rewards(self.objective, segments, self.rb.obs.shape[-1])
+            self.set_margin(true_rewards.shape[-1] * float(true_rewards.sum() / max(1, segments["masks"].sum())))
+            return self.label_true_rewards(true_rewards), ["synthetic"] * len(true_rewards)
+        true_rewards = segments["true_rewards"]
+        if self.rb is not None:
+            self.set_margin(true_rewards.shape[-1] * float(self.rb.true_rewards[: self.rb.size].mean()))
+        return self.label_true_rewards(true_rewards), ["synthetic"] * len(true_rewards)
+
+    def label_true_rewards(self, true_rewards: np.ndarray) -> np.ndarray:
+        """true_rewards (N, 2, L), zero on masked steps -> labels (N,): 1 = segment 1 preferred, 0 = segment 0,
+        0.5 = tie, nan = skipped."""
+        returns = true_rewards.sum(-1)
+        weights = self.gamma ** np.arange(true_rewards.shape[-1] - 1, -1, -1)  # myopia: the last step weighs most
+        discounted = (true_rewards * weights).sum(-1)
+        diff = discounted[:, 1] - discounted[:, 0]
+        if self.beta >= 0:
+            p_second = 1.0 / (1.0 + np.exp(-self.beta * diff))
+            labels = (self.rng.random(len(diff)) < p_second).astype(np.float32)
+        else:  # a perfect teacher prefers neither of two segments worth the same: a tie, not "the first one"
+            labels = np.where(diff == 0, 0.5, diff > 0).astype(np.float32)
+        flip = self.rng.random(len(labels)) < self.eps_mistake
+        labels[flip] = 1.0 - labels[flip]
+        if self.eps_equal > 0:
+            labels[np.abs(returns[:, 1] - returns[:, 0]) < self.threshold_equal] = 0.5
+        if self.eps_skip > 0:
+            labels[returns.max(1) < self.threshold_skip] = np.nan
+        return labels
+
+    def state_dict(self) -> dict:
+        return {"rng": self.rng.bit_generator.state}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.rng.bit_generator.state = state["rng"]
+
+
+def check_teacher_objective(args, obs_dim: int, action_dim: int, state_dim: int):
+    """--teacher-objective, called once on zeros of the run's shapes: a function that fails or returns the wrong shape
+    is refused in one line (main checks it before anything of the run is written). Returns the objective, or None."""
+    objective = load_objective(args.teacher_objective)
+    if objective is not None:
+        check_objective(objective, obs_dim, action_dim, state_dim)
+    return objective
+
+
+def make_teacher(args, rb, run_name: str, run_dir: Path, video_dir: Path) -> Teacher:
+    """The one place --teacher-feedback-mode is read: the synthetic teacher (seeded with --seed + 1), people through the
+    feedback server, or an earlier run's labels. --teacher-objective is checked on the run's shapes here; only the
+    synthetic teacher labels by it (people and a file are measured against it)."""
+    objective = check_teacher_objective(args, rb.obs.shape[-1], rb.actions.shape[-1], rb.physics_states.shape[-1])
+    if args.teacher_feedback_mode == "human":
+        measure = None if objective is None else lambda segments: segment_rewards(objective, segments, rb.obs.shape[-1]).sum(-1)
+        return connect_human_teacher(args, run_name, run_dir, video_dir / "clips", measure)
+    if args.teacher_feedback_mode == "file":
+        return FileTeacher(args.feedback_file)
+    eps = (args.teacher_eps_mistake, args.teacher_eps_skip, args.teacher_eps_equal)
+    return SyntheticTeacher(args.teacher_beta, args.teacher_gamma, *eps, seed=args.seed + 1, rb=rb, objective=objective)
+
+
+def show_reward_model(teacher: Teacher, session: FeedbackSession, prefs, rb, predict, args, rng: np.random.Generator, step: int) -> None:
+    """Human mode, after a reward update: how often the reward model (`predict`: obs_actions (N, D) -> (mean, std)
+    arrays) prefers the clip each person preferred, over their labels so far, and --feedback-check-clips random
+    segments with its predicted return, which people see ranked on the page beside their own ranking."""
+    if not teacher.people_answer:
+        return
+    if session.rows:
+        pairs, rows = list(session.rows), np.fromiter(session.rows.values(), int)
+        decided = prefs.labels[rows] != 0.5
+        segments, masks = prefs.obs_actions[rows[decided]], prefs.masks[rows[decided]]
+        returns = (predict(segments.reshape(-1, segments.shape[-1]))[0].reshape(masks.shape) * masks).sum(-1)
+        agree = (returns[:, 1] > returns[:, 0]) == (prefs.labels[rows[decided]] > 0.5)
+        teacher.show_agreement([pair for pair, keep in zip(pairs, decided) if keep], agree)
+    if args.feedback_check_clips == 0:
+        return
+    idx, mask = rb.sample_segment_pairs(args.feedback_check_clips, args.segment_length, rng)
+    idx, mask = idx[:, 0], mask[:, 0]
+    mean, _ = predict(rb.obs_actions(idx))
+    teacher.show_reward_check(rb.physics_states[idx], mask, (mean * mask).sum(-1), step)

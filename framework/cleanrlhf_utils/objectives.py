@@ -22,7 +22,8 @@ installed) and
 It must be vectorised over segments and steps (numpy on whole arrays: it labels thousands of segments at once) and
 must not depend on which steps are masked (masked steps' rewards are zeroed after it). Optional attributes on the
 function: `success(obs, actions, states) -> [n]` (one value per episode, given whole episodes [n, T + 1, ...] with
-the final observation and a zero action appended: evaluation logs its mean as eval/objective_success), `envs` (a
+the final observation and a zero action appended: evaluation logs its mean as eval/objective_success), `measures`
+({name: function like success}: further per-episode measures, logged as eval/objective_<name>), `envs` (a
 tuple of env names without version, e.g. ("Hopper",): any other env is refused), `settings` ({Args field: value}
 the run needs; a command line that contradicts one is refused) and `defaults` ({Args field: value} the run takes
 unless the command line sets that field). examples/objectives/my_objective.py is a complete example.
@@ -34,6 +35,7 @@ import inspect
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -57,6 +59,8 @@ class Objective:
     """Args field -> value the behaviour needs (set; a command line that contradicts it is refused)"""
     defaults: dict = field(default_factory=dict)
     """Args field -> value the behaviour runs with unless the command line says otherwise"""
+    measures: dict[str, Callable[[Array, Array, Array], Array]] = field(default_factory=dict)
+    """name -> further per-episode measure (called as success is), reported beside success in every evaluation"""
 
     @property
     def description(self) -> str:
@@ -93,10 +97,15 @@ def hopper_torso_up(states: Array) -> Array:
     return qpos(states, HOPPER_NQ)[..., HOPPER_Z] >= HOPPER_MIN_HEIGHT
 
 
+def hopper_backward_turn(states: Array) -> Array:
+    """Radians the torso turns backwards over each step [...] (-d pitch/dt x dt)."""
+    return -qvel(states, HOPPER_NQ, HOPPER_NQ)[..., HOPPER_PITCH] * HOPPER_DT
+
+
 def hopper_backward_turns(states: Array) -> Array:
     """Radians the torso turned backwards over each step [n, L] (-d pitch/dt x dt), counted only while it is at least
     HOPPER_MIN_HEIGHT above the ground."""
-    return -qvel(states, HOPPER_NQ, HOPPER_NQ)[..., HOPPER_PITCH] * HOPPER_DT * hopper_torso_up(states)
+    return hopper_backward_turn(states) * hopper_torso_up(states)
 
 
 def hopper_backflip(obs: Array, actions: Array, states: Array) -> Array:
@@ -106,7 +115,8 @@ def hopper_backflip(obs: Array, actions: Array, states: Array) -> Array:
     episode, floor(max(0, net backward turn up there) / 2 pi), the turn summed from the unwrapped pitch angle's change
     over the steps that start at that height. Needs --no-terminate-when-tilted (set for you): Gymnasium's Hopper ends
     an episode once the torso tilts by 0.2 rad. Episodes do not end on a fall either, unless --terminate-when-unhealthy
-    is given: then they end when the torso drops below 0.7 m."""
+    is given: then they end when the torso drops below 0.7 m. A roll over the floor scores too, where the torso is up
+    before and after it; evaluations report landed_backflips (hopper-landed-backflip's success) beside the count."""
     return hopper_backward_turns(states)
 
 
@@ -130,6 +140,114 @@ def hopper_backflips(obs: Array, actions: Array, states: Array) -> Array:
     up = hopper_torso_up(states[:, :-1])
     backward = ((pitch[:, :-1] - pitch[:, 1:]) * up).sum(1)  # the unwrapped angle's change, where the step starts up
     return np.floor(np.maximum(0.0, backward) / (2 * np.pi))
+
+
+# --- Hopper's contacts with the floor, from the state alone ---
+# Gymnasium's Hopper is planar: the torso's centre at (rootx, rootz), turned by rooty about +y; the thigh, leg and
+# foot hinges turn about -y, each at the end of the previous segment. A hinge angle a about +y maps a local (x, z) to
+# (x cos a + z sin a, -x sin a + z cos a).
+HOPPER_GEOMS = ("torso", "thigh", "leg", "foot")
+"""the Hopper's capsules, in the order hopper_capsule_ends and hopper_floor_contacts give them"""
+HOPPER_RADII = np.array([0.05, 0.05, 0.04, 0.06])
+"""metres: the capsules' radii in Gymnasium's hopper.xml"""
+HOPPER_CONTACT_MARGIN = 0.001
+"""metres: hopper.xml's geom margin; MuJoCo lists a contact once a capsule end's sphere is nearer the floor than it"""
+
+
+def _along(angle: Array, x: float, z: float) -> Array:
+    """A segment's local offset (x, z) in the world frame [..., 2], for a segment turned by `angle` about +y."""
+    cos, sin = np.cos(angle), np.sin(angle)
+    return np.stack([x * cos + z * sin, -x * sin + z * cos], -1)
+
+
+def hopper_capsule_ends(states: Array) -> Array:
+    """The two ends of the axis of each Hopper capsule, in the world's (x, z) [..., 4 (HOPPER_GEOMS), 2, 2]: planar
+    forward kinematics of Gymnasium's hopper.xml. Matches MuJoCo's geom positions to float precision."""
+    x, z, pitch, thigh, leg, foot = np.moveaxis(qpos(states, HOPPER_NQ), -1, 0)
+    centre = np.stack([x, z], -1)
+    hip = centre + _along(pitch, 0.0, -0.2)
+    thigh_angle = pitch - thigh
+    knee = hip + _along(thigh_angle, 0.0, -0.45)
+    leg_angle = thigh_angle - leg
+    ankle = knee + _along(leg_angle, 0.0, -0.5)
+    foot_angle = leg_angle - foot
+    heel, toe = ankle + _along(foot_angle, -0.13, 0.0), ankle + _along(foot_angle, 0.26, 0.0)
+    ends = [(centre + _along(pitch, 0.0, 0.2), hip), (hip, knee), (knee, ankle), (heel, toe)]
+    return np.stack([np.stack(pair, -2) for pair in ends], -3)
+
+
+def hopper_floor_contacts(states: Array) -> Array:
+    """Which Hopper capsules touch the floor [..., 4 (HOPPER_GEOMS)], exactly when MuJoCo lists a contact between
+    that geom and the floor (a capsule end within the margin of it; the floor plane is z = 0 and unbounded)."""
+    lowest = hopper_capsule_ends(states)[..., 1].min(-1)
+    return lowest - HOPPER_RADII < HOPPER_CONTACT_MARGIN
+
+
+HOPPER_LANDING_TILT = 0.5
+"""radians: a landing counts with the torso at most this far from upright (wrapped to [-pi, pi))"""
+HOPPER_LANDING_HOLD = 25
+"""steps (0.2 s) after a landing in which no body part but the foot may touch the floor"""
+
+
+def hopper_tilt(states: Array) -> Array:
+    """The torso's angle from upright, wrapped to [-pi, pi) [...] (the unwrapped pitch counts whole turns)."""
+    pitch = qpos(states, HOPPER_NQ)[..., HOPPER_PITCH]
+    return (pitch + np.pi) % (2 * np.pi) - np.pi
+
+
+def hopper_landed_backflips(obs: Array, actions: Array, states: Array) -> Array:
+    """Landed backflips per episode [n], from whole episodes' states [n, T + 1, ...]. A flight is a run of steps in
+    which no Hopper geom touches the floor (MuJoCo's contacts, from hopper_floor_contacts); its take-off is the step
+    before it, its landing the step after it. A flight scores floor(turn / 2 pi) backflips, the turn being the
+    unwrapped pitch at take-off minus that at landing (backwards positive), when the take-off and the landing touch
+    the floor with the foot alone, the torso at landing is at most HOPPER_LANDING_TILT (0.5 rad) from upright, and no
+    geom but the foot touches the floor in the HOPPER_LANDING_HOLD (25) steps after the landing (fewer where the
+    episode ends first). So a roll over the floor, a flip that ends on the torso, on the knee, or tilted, and a flight
+    the episode starts or ends in count nothing."""
+    contacts = hopper_floor_contacts(states)
+    foot, body = contacts[..., 3], contacts[..., :3].any(-1)
+    pitch = qpos(states, HOPPER_NQ)[..., HOPPER_PITCH]
+    length = states.shape[1]
+    edges = np.diff(np.pad(~(foot | body), ((0, 0), (1, 1))).astype(np.int8), axis=1)
+    rows, first_airborne = np.nonzero(edges == 1)
+    _, landing = np.nonzero(edges == -1)  # flights alternate with contact in each row: the k-th end closes the k-th start
+    take_off = first_airborne - 1
+    complete = (take_off >= 0) & (landing < length)
+    take_off, landing = np.clip(take_off, 0, length - 1), np.clip(landing, 0, length - 1)
+    body_so_far = np.pad(np.cumsum(body, axis=1), ((0, 0), (1, 0)))  # [n, T + 2]: body contacts before each step
+    hold_end = np.minimum(landing + 1 + HOPPER_LANDING_HOLD, length)
+    held = body_so_far[rows, hold_end] == body_so_far[rows, landing]
+    on_foot = foot[rows, take_off] & ~body[rows, take_off] & foot[rows, landing] & held
+    upright = np.abs(hopper_tilt(states[rows, landing])) <= HOPPER_LANDING_TILT
+    turns = np.floor(np.maximum(0.0, pitch[rows, take_off] - pitch[rows, landing]) / (2 * np.pi))
+    return np.bincount(rows, weights=turns * (complete & on_foot & upright), minlength=len(states)).astype(np.float64)
+
+
+HOPPER_FLOOR_PENALTY = 0.1
+"""reward per step in which a body part other than the foot touches the floor (minus): a roll over the floor costs, and
+a flip that crashes costs, with the standing bonus it forgoes, about what a landed one earns"""
+HOPPER_STANDING_BONUS = 0.05
+"""reward per step standing on the foot alone with the torso upright (within HOPPER_LANDING_TILT): a landed flip goes on
+earning it, a crashed one does not"""
+
+
+def hopper_landed_backflip(obs: Array, actions: Array, states: Array) -> Array:
+    """Backflips that land on the foot: each step's reward is the torso's backward rotation over the step (radians,
+    -d pitch/dt x dt) while no part of the Hopper touches the floor, and its forward rotation (minus) at any time, so
+    only turning backwards in the air pays and rocking back and forth nets nothing; plus 0.05 while standing on the
+    foot alone with the torso within 0.5 rad of upright (a landed flip goes on earning); minus 0.1 at every step in
+    which the torso, thigh or leg touches the floor (a roll over the floor costs, a failed landing costs until the
+    Hopper is up again). Success: landed backflips per episode (hopper_landed_backflips: a turn of at least 2 pi
+    between a take-off from the foot and a landing on it, upright, with nothing but the foot touching the floor for
+    0.2 s after). Needs --no-terminate-when-unhealthy and --no-terminate-when-tilted (set for you): upside down in
+    the air the torso is below Gymnasium's healthy height, and a failed landing is paid for by the penalty.
+    Evaluations report torso_high_backflips (hopper-backflip's count) beside the success."""
+    contacts = hopper_floor_contacts(states)
+    body = contacts[..., :3].any(-1)
+    airborne = ~(body | contacts[..., 3])
+    standing = contacts[..., 3] & ~body & (np.abs(hopper_tilt(states)) <= HOPPER_LANDING_TILT)
+    turn = hopper_backward_turn(states)
+    return np.where(airborne, turn, np.minimum(turn, 0.0)) + HOPPER_STANDING_BONUS * standing - HOPPER_FLOOR_PENALTY * body
 
 
 # --- HalfCheetah: qpos = [x, z, pitch, 6 joints] (nq = 9), qvel[0] = forward velocity ---
@@ -228,6 +346,7 @@ OBJECTIVES: dict[str, Objective] = {
         ("Hopper",),
         {"terminate_when_tilted": False},
         {"terminate_when_unhealthy": False},
+        {"landed_backflips": hopper_landed_backflips},
     ),
     "hopper-backflip-upright": Objective(
         "hopper-backflip-upright",
@@ -236,6 +355,16 @@ OBJECTIVES: dict[str, Objective] = {
         ("Hopper",),
         {"terminate_when_tilted": False},
         {"terminate_when_unhealthy": True},
+        {"landed_backflips": hopper_landed_backflips},
+    ),
+    "hopper-landed-backflip": Objective(
+        "hopper-landed-backflip",
+        hopper_landed_backflip,
+        hopper_landed_backflips,
+        ("Hopper",),
+        {"terminate_when_unhealthy": False, "terminate_when_tilted": False},
+        {},
+        {"torso_high_backflips": hopper_backflips},
     ),
     "ant-raise-leg": Objective("ant-raise-leg", ant_raise_leg, ant_leg_raised_share, ("Ant",)),
     "halfcheetah-backward": Objective("halfcheetah-backward", halfcheetah_backward, halfcheetah_backward_speed, ("HalfCheetah",)),
@@ -267,10 +396,10 @@ def load_objective(name: str, flag: str = "--teacher-objective") -> Objective | 
     except (TypeError, ValueError):
         raise ConfigError(f"{flag} {name}: {function_name} must take (obs, actions, states) and return per-step rewards [n, L]") from None
     success = getattr(function, "success", None)
-    envs, settings, defaults = (
-        getattr(function, attribute, empty) for attribute, empty in (("envs", ()), ("settings", {}), ("defaults", {}))
+    envs, settings, defaults, measures = (
+        getattr(function, attribute, empty) for attribute, empty in (("envs", ()), ("settings", {}), ("defaults", {}), ("measures", {}))
     )
-    return Objective(name, function, success, tuple(envs), dict(settings), dict(defaults))
+    return Objective(name, function, success, tuple(envs), dict(settings), dict(defaults), dict(measures))
 
 
 def env_name(env_id: str) -> str:
@@ -345,11 +474,27 @@ def step_rewards(objective: Objective, obs: Array, actions: Array, states: Array
     return np.asarray(rewards, dtype=np.float64)[:, 0]
 
 
-def episode_measures(objective: Objective, obs: Array, actions: Array, states: Array) -> tuple[float, float | None]:
-    """One evaluation episode's objective return and success measure (None when the objective has none). obs and
-    states hold T + 1 rows (the final observation too), actions T."""
+class EpisodeMeasures(NamedTuple):
+    """What an objective measured on one evaluation episode."""
+
+    objective_return: float
+    success: float | None
+    """None when the objective has no success measure"""
+    measures: dict[str, float]
+    """the objective's further measures (Objective.measures), by name"""
+
+
+def episode_measures(objective: Objective, obs: Array, actions: Array, states: Array) -> EpisodeMeasures:
+    """One evaluation episode's objective return, success measure and further measures. obs and states hold T + 1
+    rows (the final observation too), actions T."""
     actions = np.concatenate([actions, np.zeros((1, actions.shape[-1]))])[None]
     obs, states = obs[None], states[None]
     ret = float(np.asarray(objective.reward(obs, actions, states))[0, :-1].sum())
     success = None if objective.success is None else float(np.asarray(objective.success(obs, actions, states))[0])
-    return ret, success
+    measures = {name: float(np.asarray(measure(obs, actions, states))[0]) for name, measure in objective.measures.items()}
+    return EpisodeMeasures(ret, success, measures)
+
+
+def mean_measures(episodes: list[EpisodeMeasures]) -> dict[str, float]:
+    """The mean of each further measure over episodes."""
+    return {name: float(np.mean([episode.measures[name] for episode in episodes])) for name in (episodes[0].measures if episodes else {})}

@@ -7,16 +7,40 @@ script (humanFeedback/static/js/api.js) calls the page-facing routes; tests/test
 
 from __future__ import annotations
 
+import os
 import re
+from pathlib import Path
 
 # What a person may answer for a pair (the left clip shows segment 0). The server may switch tie and skip off.
 CHOICES = ("left", "right", "tie", "skip")
 
-# The shared secret: sent in this header (or as ?token=, or in the cookie the page route sets from ?token=); handed to
-# a server the trainer starts through this environment variable, never its command line (visible to every user in ps).
+# The shared secret: the trainer and scripts send it in this header; handed to a server the trainer starts through this
+# environment variable, never its command line (visible to every user in ps). A browser never holds it: the login route
+# (LOGIN) turns a one-time login code, or the token typed into its form, into a session cookie named SESSION_COOKIE
+# followed by "_" and the server's port (two servers on one host keep their sessions apart).
 TOKEN_HEADER = "X-Feedback-Token"
 TOKEN_ENV = "FEEDBACK_SERVER_TOKEN"
-TOKEN_COOKIE = "feedback_token"
+SESSION_COOKIE = "feedback_session"
+
+
+def read_token_file(path: Path) -> str | None:
+    """The token kept in `path` (a server's <data-dir>/token, a run's runs/<run>/feedback_token), or None."""
+    try:
+        return Path(path).read_text().strip() or None
+    except FileNotFoundError:
+        return None
+
+
+def write_token_file(path: Path, token: str) -> None:
+    """Keeps `token` in `path`, readable by its owner only (mode 0600 from the start, replaced in one step)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.{os.getpid()}.part")
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    os.replace(partial, path)
+
 
 # What a trainer may report it is doing (POST RUN_PROGRESS's "phase").
 PHASES = ("training", "labelling", "updating", "finished", "stopped")
@@ -32,7 +56,9 @@ MAX_ID = 2**63 - 1  # run and query ids are SQLite integers
 PAGE = "/"
 PAGE_SCRIPT = "/static/js/<name>"
 CLIP = "/clips/<int:run_id>/<path:name>"
+LOGIN = "/login"
 CONFIG = "/api/config"
+LOGIN_CODES = "/api/login-codes"
 RUNS = "/api/runs"
 RUN = "/api/runs/<int:run_id>"
 RUN_STATUS = "/api/runs/<int:run_id>/status"

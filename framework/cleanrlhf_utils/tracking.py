@@ -4,6 +4,7 @@ the progress bar, the feedback sessions' scalars, and runs/<run>/summary.json.""
 import collections
 import json
 import math
+import platform
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -27,6 +28,26 @@ checkpoints, sweep trials): the key stays, the value never leaves the process"""
 def public_settings(args) -> dict:
     """asdict(args) with SECRET_ARGS as null: what may be written to a file, a log or a tracking service."""
     return {key: None if key in SECRET_ARGS else value for key, value in asdict(args).items()}
+
+
+def machine() -> dict:
+    """What a CPU computation's floating-point results depend on: the same seed, or the same policy file, gives the same
+    numbers on a machine with the same description, and may not elsewhere."""
+    import mujoco
+    import numpy as np
+    import torch
+
+    cpuinfo = Path("/proc/cpuinfo")
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.is_file() else []
+    cpu = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "")
+    return {
+        "cpu": cpu or platform.processor(),
+        "machine": platform.machine(),
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "mujoco": mujoco.__version__,
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+    }
 
 
 def start_logging(args, run_name: str, run_dir: Path, resumed_step: int | None = None):
@@ -92,8 +113,11 @@ def log_feedback_session(writer, loop, session, reward_stats: dict, metrics: dic
     how much the session changed the reward), the reward update, the reward model's metrics."""
     step = loop.global_step
     counts = {"labels_obtained": loop.labels_obtained, "queries_skipped": loop.queries_skipped, "sessions": loop.sessions_done}
-    seconds = {"session_seconds": time.time() - session.opened_at, "trainer_idle_seconds": session.session_trainer_idle}
-    for name, value in (counts | seconds | {"people_idle_seconds": session.people_idle} | (measures or {})).items():
+    seconds = {"session_seconds": time.time() - session.opened_at}
+    if session.people_answer:
+        seconds |= {"trainer_idle_seconds": session.session_trainer_idle, "people_idle_seconds": session.people_idle}
+        seconds["corrections"] = session.corrections  # earlier labels people changed, learned from at this update
+    for name, value in (counts | seconds | (measures or {})).items():
         writer.add_scalar(f"feedback/{name}", value, step)
     for name, value in (reward_stats | metrics).items():
         writer.add_scalar(f"reward_model/{name}", value, step)
@@ -126,17 +150,24 @@ class RecentMeans:
 def run_summary(
     run_name: str, args, loop, metrics: dict, wall: float, start_step: int, interrupted: bool, earlier_wall: float = 0.0
 ) -> dict:
-    """runs/<run>/summary.json of a preference-learning run (sweeps and the toolbox read it). `wall`: this process's
-    training seconds; `earlier_wall`: those of the processes before it (a resumed run's checkpoint keeps them), so
-    wall_seconds is the whole run's; sps is this process's (its steps over its seconds)."""
+    """runs/<run>/summary.json (sweeps, the toolbox and the benchmarks read it): the final evaluation, the labels of a
+    preference-learning run, `metrics`, and the time. `wall`: this process's training seconds; `earlier_wall`: those of
+    the processes before it (a resumed run's checkpoint keeps them), so wall_seconds is the whole run's; sps is this
+    process's (its steps over its seconds)."""
     from .evaluate import success_summary  # here, not at the top: the toolbox reads run names without torch and gym
 
-    return {
-        "run_name": run_name, "env_id": args.env_id, "teacher_feedback_mode": args.teacher_feedback_mode,
-        "global_step": loop.global_step, "final_eval_return": float(loop.last_eval_return), **success_summary(loop.last_eval_return),
-        "labels_obtained": loop.labels_obtained, "queries_skipped": loop.queries_skipped, "feedback_sessions": loop.sessions_done,
-        **metrics, "wall_seconds": earlier_wall + wall, "sps": (loop.global_step - start_step) / wall, "interrupted": interrupted,
-    }  # fmt: skip
+    summary = {
+        "run_name": run_name,
+        "env_id": args.env_id,
+        "global_step": loop.global_step,
+        "final_eval_return": float(loop.last_eval_return),
+    }
+    summary |= success_summary(loop.last_eval_return)
+    if hasattr(loop, "labels_obtained"):
+        summary |= {"teacher_feedback_mode": args.teacher_feedback_mode, "labels_obtained": loop.labels_obtained}
+        summary |= {"queries_skipped": loop.queries_skipped, "feedback_sessions": loop.sessions_done}
+    timing = {"wall_seconds": earlier_wall + wall, "sps": (loop.global_step - start_step) / wall, "interrupted": interrupted}
+    return summary | metrics | timing
 
 
 def strict_json_value(value):
@@ -156,3 +187,14 @@ def write_summary(run_dir: Path, summary: dict) -> None:
     The dict itself is left as it is (a sweep reads the NaN from the dict main returns)."""
     text = json.dumps(strict_json_value(summary), indent=2, allow_nan=False)
     (run_dir / "summary.json").write_text(text + "\n")
+
+
+def log_update(writer, stats: dict, step: int, extra: dict, recent: RecentMeans | None = None) -> None:
+    """An agent update's figures as losses/<name> (and `extra` scalars under their own names); `recent` keeps them for
+    the summary."""
+    for name, value in stats.items():
+        writer.add_scalar(f"losses/{name}", float(value), step)
+    for name, value in extra.items():
+        writer.add_scalar(name, value, step)
+    if recent is not None:
+        recent.add(stats)

@@ -1,5 +1,5 @@
-"""Pieces of a training loop that are not the algorithm: threads and seeds, running moments, frozen weights, and
-whether a step crossed a period."""
+"""Pieces of a training loop that are not the algorithm: threads and seeds, running moments and the normalisers and
+episode bookkeeping PPO builds on them, frozen weights, and whether a step crossed a period."""
 
 import contextlib
 import functools
@@ -18,11 +18,12 @@ def set_torch_threads(threads: int) -> None:
 
 
 def seed_everything(args) -> tuple[torch.device, np.random.Generator]:
-    """Sets torch's threads (--torch-threads), seeds Python and torch; returns the device and the numpy generator of the run."""
+    """Sets torch's threads (--torch-threads), seeds Python and torch, and asks cuDNN for deterministic kernels (same
+    seed, same numbers); returns the device and the numpy generator of the run."""
     set_torch_threads(args.torch_threads)
     random.seed(args.seed)
     torch.manual_seed(args.seed)
-    torch.backends.cudnn.deterministic = args.torch_deterministic
+    torch.backends.cudnn.deterministic = True
     device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
     return device, np.random.default_rng(args.seed)
 
@@ -54,6 +55,102 @@ class RunningMoments:
 
     def load_state_dict(self, state: dict) -> None:
         self.mean, self.var, self.count = np.array(state["mean"]), np.array(state["var"]), float(state["count"])
+
+
+class ObservationNormalizer(RunningMoments):
+    """CleanRL's NormalizeObservation, kept outside the env so that checkpoints carry it and evaluation applies it:
+    (obs - mean) / sqrt(var + eps), clipped to +-clip. Updated between rollouts, so that all the steps of a
+    rollout (and the values bootstrapped from them) are normalised alike."""
+
+    def __init__(self, obs_dim: int, enabled: bool = True, clip: float = 10.0, epsilon: float = 1e-8):
+        super().__init__(obs_dim)
+        self.enabled, self.clip, self.epsilon = enabled, clip, epsilon
+
+    def normalize(self, obs: np.ndarray) -> np.ndarray:
+        obs = np.asarray(obs, dtype=np.float32)  # as evaluation sees it
+        if not self.enabled:
+            return obs
+        return np.clip((obs - self.mean) / np.sqrt(self.var + self.epsilon), -self.clip, self.clip).astype(np.float32)
+
+
+class ReturnNormalizer:
+    """CleanRL's NormalizeReward outside the env: rewards are divided by the running std of every env's discounted
+    return, which restarts at each episode end. Applied to the rewards PPO learns from only: the teacher and the
+    reward model's bookkeeping keep the raw true reward."""
+
+    def __init__(self, num_envs: int, gamma: float, enabled: bool = True, epsilon: float = 1e-8):
+        self.num_envs, self.gamma, self.enabled, self.epsilon = num_envs, gamma, enabled, epsilon
+        self.reset()
+
+    def reset(self) -> None:
+        self.returns, self.moments = np.zeros(self.num_envs), RunningMoments()
+
+    def scale(self, rewards: np.ndarray, dones: np.ndarray, valid: np.ndarray) -> np.ndarray:
+        if not self.enabled:
+            return rewards.astype(np.float32, copy=True)
+        seen = []
+        for t in range(len(rewards)):
+            self.returns = np.where(valid[t], self.returns * self.gamma + rewards[t], self.returns)
+            seen.append(self.returns[valid[t]])
+            self.returns = np.where(dones[t], 0.0, self.returns)
+        self.moments.update(np.concatenate(seen))
+        return (rewards / np.sqrt(self.moments.var + self.epsilon)).astype(np.float32)
+
+    def state_dict(self) -> dict:
+        return {"returns": self.returns.copy(), "moments": self.moments.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.returns = np.array(state["returns"])
+        self.moments.load_state_dict(state["moments"])
+
+
+class EpisodeTracker:
+    """Return, length and id of every env's running episode. Ids are unique across envs, so that replay-buffer
+    segments never join two episodes."""
+
+    def __init__(self, num_envs: int):
+        self.ids, self.next_id = np.arange(num_envs, dtype=np.int64), num_envs
+        self.returns, self.lengths = np.zeros(num_envs), np.zeros(num_envs, dtype=np.int64)
+
+    def step(self, rewards: np.ndarray, dones: np.ndarray, valid: np.ndarray) -> list[tuple[int, float, int]]:
+        """Counts one vector step; returns (env, return, length) of the episodes that ended with it."""
+        self.returns[valid] += rewards[valid]
+        self.lengths[valid] += 1
+        finished = []
+        for i in np.flatnonzero(valid & dones):
+            finished.append((int(i), float(self.returns[i]), int(self.lengths[i])))
+            self.returns[i], self.lengths[i], self.ids[i] = 0.0, 0, self.next_id
+            self.next_id += 1
+        return finished
+
+    def state_dict(self) -> dict:
+        return {"ids": self.ids.copy(), "next_id": self.next_id, "returns": self.returns.copy(), "lengths": self.lengths.copy()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.ids, self.next_id = np.array(state["ids"]), int(state["next_id"])
+        self.returns, self.lengths = np.array(state["returns"]), np.array(state["lengths"])
+
+
+class NormalizedPolicy(torch.nn.Module):
+    """What evaluation runs of a PPO agent: a raw observation, normalised with the training statistics, to the agent's
+    deterministic action. The statistics are a copy: evaluation never updates them."""
+
+    def __init__(self, agent: torch.nn.Module, normalizer: ObservationNormalizer):
+        super().__init__()
+        self.agent, self.discrete = agent, agent.discrete
+        self.normalize_obs, self.clip, self.epsilon = normalizer.enabled, normalizer.clip, normalizer.epsilon
+        device = next(agent.parameters()).device  # the agent's: observations are moved to it (a GPU run's evaluation)
+        self.register_buffer("obs_mean", torch.tensor(normalizer.mean, dtype=torch.float64, device=device))
+        self.register_buffer("obs_var", torch.tensor(normalizer.var, dtype=torch.float64, device=device))
+
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        """The same arithmetic as ObservationNormalizer.normalize (float64, then float32)."""
+        if not self.normalize_obs:
+            return x.float()
+        return ((x.double() - self.obs_mean) / torch.sqrt(self.obs_var + self.epsilon)).clamp(-self.clip, self.clip).float()
+
+    def deterministic_action(self, x: torch.Tensor) -> torch.Tensor:
+        return self.agent.deterministic_action(self.normalize(x.to(self.obs_mean.device)))
 
 
 def outputs_copied(step):

@@ -1,0 +1,103 @@
+"""The settings dataclasses of the scripts, read from their source with `ast`: nothing is imported (no torch), so a
+script can refuse a mistyped flag in a fraction of a second, before its heavy imports, and the docs generator
+(dev/gen_docs.py) can write each script's flag table without building the script."""
+
+import ast
+import inspect
+from pathlib import Path
+
+
+class Field:
+    """A dataclass field; `owner` is the class that defines it first, in `owner_path` (a base may live in another file
+    than the class that inherits it, and be imported only there)."""
+
+    def __init__(self, name: str, annotation: str, default: str | None, doc: str, owner: str, owner_path: Path):
+        self.name, self.annotation, self.default, self.doc = name, annotation, default, doc
+        self.owner, self.owner_path = owner, owner_path
+
+
+def module_file(repo: Path, importer: Path, module: str, level: int) -> Path | None:
+    """The source file of `from <module> import ...` as the scripts run it (framework/ on sys.path)."""
+    base = importer.parent if level else repo / "framework"
+    for _ in range(max(level - 1, 0)):
+        base = base.parent
+    candidate = base.joinpath(*module.split(".")) if module else base
+    for path in (candidate.with_suffix(".py"), candidate / "__init__.py"):
+        if path.is_file():
+            return path
+    return None
+
+
+def parse(path: Path, cache: dict[Path, ast.Module]) -> ast.Module:
+    if path not in cache:
+        cache[path] = ast.parse(path.read_text(), filename=str(path))
+    return cache[path]
+
+
+def find_class(repo: Path, path: Path, name: str, cache: dict) -> tuple[Path, ast.ClassDef]:
+    """A class defined in `path`, or imported into it by name (followed to its definition)."""
+    tree = parse(path, cache)
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == name:
+            return path, node
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and any(alias.name == name and alias.asname is None for alias in node.names):
+            source = module_file(repo, path, node.module or "", node.level)
+            if source is not None:
+                return find_class(repo, source, name, cache)
+    raise LookupError(f"{path.relative_to(repo)}: class {name} not found")
+
+
+def class_fields(repo: Path, path: Path, node: ast.ClassDef, cache: dict) -> list[Field]:
+    """A dataclass's fields in the order dataclasses (and tyro) give them: the bases' (last base first), then its own; a
+    field redefined keeps its place and takes the new default and docstring."""
+    fields: dict[str, Field] = {}
+    for base in reversed(node.bases):
+        if isinstance(base, ast.Name):
+            base_path, base_node = find_class(repo, path, base.id, cache)
+        elif isinstance(base, ast.Attribute) and isinstance(base.value, ast.Name):  # `import sac_rlhf` ... `sac_rlhf.Args`
+            base_path, base_node = find_class(repo, module_file(repo, path, base.value.id, 0), base.attr, cache)
+        else:
+            continue
+        for field in class_fields(repo, base_path, base_node, cache):
+            fields[field.name] = field
+    body = node.body
+    for index, statement in enumerate(body):
+        if not (isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name)):
+            continue
+        name = statement.target.id
+        annotation = ast.unparse(statement.annotation)
+        if isinstance(statement.annotation, ast.Subscript) and ast.unparse(statement.annotation.value) in ("Annotated", "typing.Annotated"):
+            annotation = ast.unparse(statement.annotation.slice.elts[0])  # the type; the rest is tyro's (e.g. a built help text)
+        if annotation.startswith("ClassVar"):
+            continue
+        default = None if statement.value is None else ast.unparse(statement.value)
+        following = body[index + 1] if index + 1 < len(body) else None
+        doc = ""
+        if isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant) and isinstance(following.value.value, str):
+            doc = " ".join(inspect.cleandoc(following.value.value).split())
+        if name in fields:
+            old = fields[name]
+            fields[name] = Field(name, annotation, default, doc or old.doc, old.owner, old.owner_path)
+        else:
+            fields[name] = Field(name, annotation, default, doc, node.name, path)
+    return list(fields.values())
+
+
+def source_flags(script: str | Path, class_name: str = "Args") -> list[str] | None:
+    """The --flags of a script's `class_name` as tyro builds them (--name; --no-name too for a boolean), read from the
+    source; None when the source cannot be read that way (the script's own parse then says what is wrong)."""
+    path = Path(script).resolve()
+    repo = path.parents[1]  # framework/<script>.py
+    cache: dict[Path, ast.Module] = {}
+    try:
+        owner, node = find_class(repo, path, class_name, cache)
+        fields = class_fields(repo, owner, node, cache)
+    except (OSError, SyntaxError, LookupError, TypeError):
+        return None
+    flags = []
+    for field in fields:
+        flags.append(f"--{field.name.replace('_', '-')}")
+        if field.annotation == "bool":
+            flags.append(f"--no-{field.name.replace('_', '-')}")
+    return flags
