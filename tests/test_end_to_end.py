@@ -356,6 +356,7 @@ def test_a_run_stopped_by_a_signal_resumes_as_the_run_that_never_stopped(chdir_t
     update, which the resumed run redoes. Resumed, the run's curves and final networks, buffers and counters are the
     uninterrupted run's."""
     import sac
+    from cleanrlhf_utils import run as run_module
     from cleanrlhf_utils.cli import RunInterrupted
 
     make_args = sac_baseline_args if module == "sac" else small_args
@@ -379,7 +380,7 @@ def test_a_run_stopped_by_a_signal_resumes_as_the_run_that_never_stopped(chdir_t
 
     with pytest.MonkeyPatch.context() as patch:  # its own: the test's monkeypatch also holds the working directory
         if stopped_in == "evaluation":
-            patch.setattr(script, "evaluate_and_log", signalled(script.evaluate_and_log))
+            patch.setattr(run_module, "evaluate_and_log", signalled(run_module.evaluate_and_log))
         elif stopped_in == "update":
             patch.setattr(sac.SACAgent, "update", signalled(sac.SACAgent.update))
         else:

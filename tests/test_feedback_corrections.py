@@ -249,8 +249,11 @@ def test_async_a_session_people_left_gives_way_and_its_late_answers_still_count(
         person.label(last_new, "left")
 
     person = Person(base, script)
+    # sessions at steps 400 and 700; the run goes on to 2400, so that session 2 is asked well before the last step,
+    # where the run waits for the open session by design, however late a loaded machine delivers session 1's answers
     settings = dict(teacher_feedback_total_queries=8, teacher_feedback_num_queries_per_session=4, feedback_async=True)
-    summary = run_with(person, sac_rlhf.main, human_args("left", base, feedback_async_poll_steps=10, **settings), reward_training)
+    settings |= dict(total_timesteps=2400, feedback_async_poll_steps=10)
+    summary = run_with(person, sac_rlhf.main, human_args("left", base, **settings), reward_training)
 
     assert sessions_met == [2] and len(seen) == 2
     np.testing.assert_array_equal(seen[0], [CHOICE_LABELS["left"], CHOICE_LABELS["right"]])  # what was in when it gave way

@@ -138,8 +138,8 @@ TINY_PEBBLE = [
 
 
 def startup_line(stdout: str) -> tuple[str, str]:
-    """The run name of the start-up line, and the line."""
-    lines = [line for line in stdout.splitlines() if line.startswith("run ")]
+    """The run name of the start-up line, and the line (the closing line, `run <name> done at ...`, is not it)."""
+    lines = [line for line in stdout.splitlines() if line.startswith("run ") and ": logs and summary in " in line]
     assert len(lines) == 1, stdout
     return lines[0].split()[1].rstrip(":"), lines[0]
 

@@ -20,6 +20,7 @@ from test_end_to_end import final_state, scalars
 import ppo
 import pref_ppo
 from cleanrlhf_utils.envs import set_physics_state
+from cleanrlhf_utils.evaluate import evaluate_policy
 from cleanrlhf_utils.feedback import CHOICE_LABELS
 from cleanrlhf_utils.training import NormalizedPolicy
 
@@ -290,7 +291,7 @@ def test_observation_normalisation_is_saved_and_applied_by_evaluation(cartpole_r
         unnormalised = policy.agent.deterministic_action(torch.as_tensor(raw))
     assert (actions != unnormalised).any()  # the statistics matter: evaluation without them acts differently
     # Evaluating the saved policy with the run's evaluation seeds reproduces its final evaluation.
-    returns = pref_ppo.evaluate_policy(policy, env_id, 5, 1 + 100_000, CPU)
+    returns = evaluate_policy(policy, env_id, 5, 1 + 100_000, CPU)
     assert np.mean(returns) == pytest.approx(summary["final_eval_return"])
     with pytest.raises(pref_ppo.ConfigError, match="no checkpoint there"):
         ppo.load_policy(folder / "models/nope/latest")
@@ -335,7 +336,7 @@ def test_ppo_baseline_learns_cartpole_from_the_true_reward(chdir_tmp):
     tags = scalars(Path("runs/base"))
     assert {"charts/episodic_return", "losses/value_loss", "losses/policy_loss", "losses/approx_kl", "eval/mean_return"} <= set(tags)
     policy, env_id = ppo.load_policy("models/base/latest")
-    returns = pref_ppo.evaluate_policy(policy, env_id, 5, 1 + 100_000, CPU)
+    returns = evaluate_policy(policy, env_id, 5, 1 + 100_000, CPU)
     assert np.mean(returns) == pytest.approx(summary["final_eval_return"])
 
     # framework/evaluation.py reads PPO checkpoints too (deterministic actions, normalisation applied).
@@ -343,7 +344,7 @@ def test_ppo_baseline_learns_cartpole_from_the_true_reward(chdir_tmp):
 
     result = evaluation.main(evaluation.Args(path_to_model="models/base/latest", episodes=2, seed=7))
     assert result["env_id"] == "CartPole-v1"
-    assert result["returns"] == pref_ppo.evaluate_policy(policy, env_id, 1, 7, CPU) + pref_ppo.evaluate_policy(policy, env_id, 1, 8, CPU)
+    assert result["returns"] == evaluate_policy(policy, env_id, 1, 7, CPU) + evaluate_policy(policy, env_id, 1, 8, CPU)
 
 
 # ----------------------------------------------------------------------------------------
@@ -511,10 +512,11 @@ def test_a_signal_during_an_evaluation_stops_after_it_and_resumes_exactly(chdir_
     """SIGTERM (SLURM's time limit, bench's stop) in the middle of the evaluation at 1024 steps, after the iteration was
     complete: the run finishes the evaluation (a checkpoint at 1024 without it would leave a gap in the resumed run's
     curve), stops at the iteration boundary, and resumed is the uninterrupted run."""
+    from cleanrlhf_utils import run as run_module
     from cleanrlhf_utils.cli import RunInterrupted
 
     pref_ppo.main(hopper_args("whole", evaluation_frequency=512))
-    real_evaluate, calls = pref_ppo.evaluate_and_log, [0]
+    real_evaluate, calls = run_module.evaluate_and_log, [0]
 
     def evaluate(*args, **kwargs):
         calls[0] += 1
@@ -523,7 +525,7 @@ def test_a_signal_during_an_evaluation_stops_after_it_and_resumes_exactly(chdir_
         return real_evaluate(*args, **kwargs)
 
     with pytest.MonkeyPatch.context() as patch:  # its own: the fixture's monkeypatch also holds the working directory
-        patch.setattr(pref_ppo, "evaluate_and_log", evaluate)
+        patch.setattr(run_module, "evaluate_and_log", evaluate)
         with pytest.raises(RunInterrupted):
             pref_ppo.main(hopper_args("part", evaluation_frequency=512))
     assert final_state("part")["checkpoint"]["loop"]["global_step"] == 1024

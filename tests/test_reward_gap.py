@@ -34,7 +34,7 @@ def frozen_args(name: str, **overrides):
     pebble = small_args(name)
     shared = {key: getattr(pebble, key) for key in ("env_id", "seed", "total_timesteps", "learning_starts", "batch_size")}
     shared |= {key: getattr(pebble, key) for key in ("actor_hidden_dim", "critic_hidden_dim", "evaluation_episodes", "progress_bar")}
-    return frozen_reward.Args(run_name=name, evaluation_frequency=0, **shared | overrides)
+    return frozen_reward.Args(**{"run_name": name, "evaluation_frequency": 0} | shared | overrides)
 
 
 def frozen_bench():
