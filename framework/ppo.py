@@ -25,6 +25,7 @@ from cleanrlhf_utils.cli import cli
 from cleanrlhf_utils.envs import autoreset_pending, check_can_render, check_env_id, get_physics_state
 from cleanrlhf_utils.errors import ConfigError, check_ranges, need
 from cleanrlhf_utils.evaluate import evaluate_and_log, success_summary
+from cleanrlhf_utils.objectives import episode_end
 from cleanrlhf_utils.run import RunArgs
 from cleanrlhf_utils.tracking import announce_run, default_run_name, progress_bar, start_logging, stop_logging, write_summary
 from cleanrlhf_utils.training import EpisodeTracker, NormalizedPolicy, ObservationNormalizer, ReturnNormalizer, crossed, seed_everything
@@ -121,16 +122,34 @@ def make_env(
     terminate_when_unhealthy=True,
     task_seed=None,
     terminate_when_tilted=True,
+    ends_episode=None,
 ):
-    """cleanrlhf_utils' environment, refused unless PPO can act in it (task_seed: the Meta-World layout, default seed's)."""
+    """cleanrlhf_utils' environment, refused unless PPO can act in it (task_seed: the Meta-World layout, default seed's;
+    ends_episode: the objective's end of an episode)."""
     return cleanrlhf_envs.make_env(
-        env_id, seed, render_mode, width, height, terminate_when_unhealthy, check_ppo_actions, task_seed, terminate_when_tilted
+        env_id,
+        seed,
+        render_mode,
+        width,
+        height,
+        terminate_when_unhealthy,
+        check_ppo_actions,
+        task_seed,
+        terminate_when_tilted,
+        ends_episode=ends_episode,
     )
 
 
 def make_vector_env(args: PPOArgs) -> gym.vector.SyncVectorEnv:
     """num_envs copies with Gymnasium's next-step autoreset, all on the Meta-World layout of the run's seed."""
-    settings = (args.video_width, args.video_height, args.terminate_when_unhealthy, args.seed, args.terminate_when_tilted)
+    settings = (
+        args.video_width,
+        args.video_height,
+        args.terminate_when_unhealthy,
+        args.seed,
+        args.terminate_when_tilted,
+        episode_end(args),
+    )
     copies = [make_env(args.env_id, args.seed + i, None, *settings) for i in range(args.num_envs)]
     return gym.vector.SyncVectorEnv(copies, autoreset_mode=gym.vector.AutoresetMode.NEXT_STEP)
 

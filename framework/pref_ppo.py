@@ -46,7 +46,7 @@ from cleanrlhf_utils.feedback import (
     validate_feedback_args,
 )
 from cleanrlhf_utils.networks import ensemble_mlp
-from cleanrlhf_utils.objectives import apply_objective, load_objective
+from cleanrlhf_utils.objectives import apply_objective, episode_end, load_objective
 from cleanrlhf_utils.presets import PresetArgs
 from cleanrlhf_utils.run import IterationStart, Run, RunArgs
 from cleanrlhf_utils.stopping import stop_here_if_requested
@@ -215,16 +215,34 @@ def make_env(
     terminate_when_unhealthy=True,
     task_seed=None,
     terminate_when_tilted=True,
+    ends_episode=None,
 ):
-    """cleanrlhf_utils' environment, refused unless PPO can act in it (task_seed: the Meta-World layout, default seed's)."""
+    """cleanrlhf_utils' environment, refused unless PPO can act in it (task_seed: the Meta-World layout, default seed's;
+    ends_episode: the objective's end of an episode)."""
     return cleanrlhf_envs.make_env(
-        env_id, seed, render_mode, width, height, terminate_when_unhealthy, check_ppo_actions, task_seed, terminate_when_tilted
+        env_id,
+        seed,
+        render_mode,
+        width,
+        height,
+        terminate_when_unhealthy,
+        check_ppo_actions,
+        task_seed,
+        terminate_when_tilted,
+        ends_episode=ends_episode,
     )
 
 
 def make_vector_env(args: PPOArgs) -> gym.vector.SyncVectorEnv:
     """num_envs copies with Gymnasium's next-step autoreset, all on the Meta-World layout of the run's seed."""
-    settings = (args.video_width, args.video_height, args.terminate_when_unhealthy, args.seed, args.terminate_when_tilted)
+    settings = (
+        args.video_width,
+        args.video_height,
+        args.terminate_when_unhealthy,
+        args.seed,
+        args.terminate_when_tilted,
+        episode_end(args),
+    )
     copies = [make_env(args.env_id, args.seed + i, None, *settings) for i in range(args.num_envs)]
     return gym.vector.SyncVectorEnv(copies, autoreset_mode=gym.vector.AutoresetMode.NEXT_STEP)
 

@@ -25,7 +25,7 @@ from cleanrlhf_utils.cli import cli
 from cleanrlhf_utils.envs import autoreset_pending, check_env_id, get_physics_state, physics_state_size
 from cleanrlhf_utils.errors import check_ranges, need
 from cleanrlhf_utils.networks import ensemble_mlp
-from cleanrlhf_utils.objectives import Objective, apply_objective, step_rewards
+from cleanrlhf_utils.objectives import Objective, apply_objective, episode_end, step_rewards
 from cleanrlhf_utils.run import Run, RunArgs
 from cleanrlhf_utils.stopping import stop_here_if_requested
 from cleanrlhf_utils.tracking import AGENT_MEASURES, RecentMeans, log_update
@@ -108,10 +108,27 @@ def check_sac_actions(env_id: str, space: gym.Space) -> None:
     )
 
 
-def make_env(env_id: str, seed: int, render_mode=None, width=320, height=240, terminate_when_unhealthy=True, terminate_when_tilted=True):
-    """cleanrlhf_utils' environment, refused unless SAC can act in it."""
+def make_env(
+    env_id: str,
+    seed: int,
+    render_mode=None,
+    width=320,
+    height=240,
+    terminate_when_unhealthy=True,
+    terminate_when_tilted=True,
+    ends_episode=None,
+):
+    """cleanrlhf_utils' environment, refused unless SAC can act in it (ends_episode: the objective's end of an episode)."""
     return cleanrlhf_envs.make_env(
-        env_id, seed, render_mode, width, height, terminate_when_unhealthy, check_sac_actions, terminate_when_tilted=terminate_when_tilted
+        env_id,
+        seed,
+        render_mode,
+        width,
+        height,
+        terminate_when_unhealthy,
+        check_sac_actions,
+        terminate_when_tilted=terminate_when_tilted,
+        ends_episode=ends_episode,
     )
 
 
@@ -326,9 +343,8 @@ def main(args: Args, on_evaluation: Callable[[int, float], None] | None = None, 
     objective = objective or measured
     run = Run(args, "sac", on_evaluation)
     with contextlib.ExitStack() as cleanup:  # closes what was opened however the run ends (a sweep may prune it)
-        env = make_env(
-            args.env_id, args.seed, None, args.video_width, args.video_height, args.terminate_when_unhealthy, args.terminate_when_tilted
-        )
+        settings = (args.video_width, args.video_height, args.terminate_when_unhealthy, args.terminate_when_tilted, episode_end(args))
+        env = make_env(args.env_id, args.seed, None, *settings)
         envs = gym.vector.SyncVectorEnv([env], autoreset_mode=gym.vector.AutoresetMode.NEXT_STEP)
         cleanup.callback(envs.close)
         writer = run.start_logging(cleanup)

@@ -46,7 +46,7 @@ from cleanrlhf_utils.feedback import (
     validate_feedback_args,
 )
 from cleanrlhf_utils.networks import ensemble_mlp
-from cleanrlhf_utils.objectives import apply_objective, load_objective
+from cleanrlhf_utils.objectives import apply_objective, episode_end, load_objective
 from cleanrlhf_utils.presets import PresetArgs
 from cleanrlhf_utils.run import Run, RunArgs
 from cleanrlhf_utils.stopping import stop_here_if_requested
@@ -198,10 +198,27 @@ def check_sac_actions(env_id: str, space: gym.Space) -> None:
     )
 
 
-def make_env(env_id: str, seed: int, render_mode=None, width=320, height=240, terminate_when_unhealthy=True, terminate_when_tilted=True):
-    """cleanrlhf_utils' environment, refused unless SAC can act in it."""
+def make_env(
+    env_id: str,
+    seed: int,
+    render_mode=None,
+    width=320,
+    height=240,
+    terminate_when_unhealthy=True,
+    terminate_when_tilted=True,
+    ends_episode=None,
+):
+    """cleanrlhf_utils' environment, refused unless SAC can act in it (ends_episode: the objective's end of an episode)."""
     return cleanrlhf_envs.make_env(
-        env_id, seed, render_mode, width, height, terminate_when_unhealthy, check_sac_actions, terminate_when_tilted=terminate_when_tilted
+        env_id,
+        seed,
+        render_mode,
+        width,
+        height,
+        terminate_when_unhealthy,
+        check_sac_actions,
+        terminate_when_tilted=terminate_when_tilted,
+        ends_episode=ends_episode,
     )
 
 
@@ -869,9 +886,8 @@ def main(args: Args, on_evaluation: Callable[[int, float], None] | None = None, 
     run = Run(args, "sac_rlhf", on_evaluation)
     with contextlib.ExitStack() as cleanup:  # closes what was opened however the run ends (a sweep may prune it)
         # Built before anything is written, so a bad env id, action space or simulator fails cleanly.
-        env = make_env(
-            args.env_id, args.seed, None, args.video_width, args.video_height, args.terminate_when_unhealthy, args.terminate_when_tilted
-        )
+        settings = (args.video_width, args.video_height, args.terminate_when_unhealthy, args.terminate_when_tilted, episode_end(args))
+        env = make_env(args.env_id, args.seed, None, *settings)
         envs = gym.vector.SyncVectorEnv([env], autoreset_mode=gym.vector.AutoresetMode.NEXT_STEP)
         cleanup.callback(envs.close)
         obs, _ = envs.reset(seed=args.seed)

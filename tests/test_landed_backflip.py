@@ -134,7 +134,9 @@ def take_off_and_landing(touching: list[set[str]]) -> tuple[int, int]:
 def test_a_flip_in_the_air_landed_on_the_foot_counts_one(hopper):
     """Take-off from the foot, 58 steps with nothing touching the floor, landing on the foot 0.29 rad past upright
     (2 pi + 0.18 turned between take-off and landing), standing on after: one landed backflip, and the objective's
-    reward over the flight is the turn. The old counter misses it: upside down in the air the torso is below 0.7 m."""
+    reward over the flight is the turn up to one full circle from the start's upright pitch (turning on past it pays
+    nothing), standing before the jump costs the waiting cost and standing after it earns the landed bonus. The old counter misses
+    it: upside down in the air the torso is below 0.7 m."""
     states, touching = simulated(hopper, flight(hopper, 2 * np.pi + 0.4))
     take_off, landing = take_off_and_landing(touching)
     assert touching[take_off] == {"foot"} and all(geoms == {"foot"} for geoms in touching[landing:])
@@ -142,8 +144,15 @@ def test_a_flip_in_the_air_landed_on_the_foot_counts_one(hopper):
     assert 2 * np.pi < pitch[take_off] - pitch[landing] and abs(objectives.hopper_tilt(states[landing])) < 0.5
     assert counts(states) == (1.0, 0.0)
     rewards = objectives.hopper_landed_backflip(None, None, states[None])[0]
-    assert rewards[take_off + 1 : landing].sum() == pytest.approx(pitch[take_off + 1] - pitch[landing], rel=0.02)
-    assert rewards[landing:].min() == pytest.approx(objectives.HOPPER_STANDING_BONUS)  # standing upright after it
+    waiting = objectives.HOPPER_WAITING_COST * (pitch[take_off + 1 : landing] > -2 * np.pi + objectives.HOPPER_LANDING_TILT).sum()
+    assert rewards[take_off + 1 : landing].sum() == pytest.approx(pitch[take_off + 1] + 2 * np.pi - waiting, abs=0.13)
+    past_the_circle = np.arange(len(states)) < landing
+    past_the_circle &= pitch < -2 * np.pi
+    assert past_the_circle.any() and (rewards[past_the_circle] <= 0).all()
+    assert np.allclose(rewards[:take_off], -objectives.HOPPER_WAITING_COST) and np.allclose(
+        rewards[landing:], objectives.HOPPER_LANDED_BONUS
+    )
+    assert not objectives.hopper_body_on_floor(states).any()  # the episode goes on
 
 
 def test_turning_short_of_a_full_turn_between_take_off_and_landing_counts_nothing(hopper):
@@ -159,14 +168,18 @@ def test_turning_short_of_a_full_turn_between_take_off_and_landing_counts_nothin
 
 def test_a_backward_roll_over_the_floor_counts_nothing(hopper):
     """Two backward rolls, some part of the Hopper on the floor at every step (MuJoCo's contacts), the torso above
-    0.7 m in the first and last part of each turn: no landed backflip, and the objective's reward is negative (the
-    floor penalty). The old counter counts one flip and pays for the roll."""
+    0.7 m in the first and last part of each turn: no landed backflip, and the objective pays nothing up to where the
+    torso, thigh or leg first touches the floor (MuJoCo's contacts), where its episode ends. The old counter counts one
+    flip and pays for the roll."""
     states, touching = simulated(hopper, backward_rolls(2))
     assert all(touching) and any("torso" in geoms for geoms in touching)
     assert counts(states) == (0.0, 1.0)
-    assert (
-        objectives.hopper_landed_backflip(None, None, states[None]).sum() < 0 < objectives.hopper_backflip(None, None, states[None]).sum()
-    )
+    ends = objectives.hopper_body_on_floor(states)
+    assert np.array_equal(ends, [bool(geoms - {"foot"}) for geoms in touching]) and ends.any() and not ends[0]
+    rewards = objectives.hopper_landed_backflip(None, None, states[None])[0]
+    assert rewards[: ends.argmax() + 1].max() < 0 and objectives.hopper_backflip(None, None, states[None]).sum() > 0
+    # Standing after the rolls would earn the landed bonus: the end of the episode is what keeps a roll from paying.
+    assert rewards[-1] == objectives.HOPPER_LANDED_BONUS
 
 
 @pytest.mark.parametrize(
@@ -192,3 +205,39 @@ def test_the_objective_runs_with_no_termination_and_counts_landed_flips():
     objective = objectives.apply_objective(args, argv=["sac.py"], field="reward_objective")
     assert args.terminate_when_unhealthy is False and args.terminate_when_tilted is False
     assert objective.success is objectives.hopper_landed_backflips
+
+
+@pytest.mark.parametrize(("pose", "ends"), [("standing", False), ("upside down on its torso", True)])
+def test_an_episode_of_the_objective_ends_when_anything_but_the_foot_touches_the_floor(pose, ends):
+    """The env a run on hopper-landed-backflip makes (its settings, the objective's end of an episode), stepped by
+    real MuJoCo from a standing pose and from one upside down on its torso: only the second step ends the episode, as
+    terminated (a crash, not a time limit)."""
+    import sac
+
+    args = sac.Args(env_id="Hopper-v5", reward_objective="hopper-landed-backflip")
+    objectives.apply_objective(args, argv=["sac.py"], field="reward_objective")
+    env = sac.make_env(
+        "Hopper-v5", 0, None, 320, 240, args.terminate_when_unhealthy, args.terminate_when_tilted, objectives.episode_end(args)
+    )()
+    env.reset(seed=0)
+    qpos = on_floor(0.0 if pose == "standing" else np.pi, STRAIGHT)
+    env.unwrapped.set_state(qpos, np.zeros(6))
+    _, _, terminated, truncated, _ = env.step(np.zeros(3))
+    assert (terminated, truncated) == (ends, False)
+    env.close()
+
+
+def test_an_objectives_own_end_of_an_episode_is_read_from_the_function(tmp_path, monkeypatch):
+    """A module:function objective brings its end of an episode as an attribute, like success; one that is not a
+    function is refused in one line naming it."""
+    (tmp_path / "my_flip.py").write_text(
+        "from cleanrlhf_utils import objectives\n"
+        "def flip(obs, actions, states):\n    return objectives.hopper_landed_backflip(obs, actions, states)\n"
+        "flip.ends_episode = objectives.hopper_body_on_floor\n"
+        "def bad(obs, actions, states):\n    return flip(obs, actions, states)\n"
+        "bad.ends_episode = 3\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert objectives.load_objective("my_flip:flip").ends_episode is objectives.hopper_body_on_floor
+    with pytest.raises(objectives.ConfigError, match=r"my_flip:bad: bad.ends_episode must be a function of a state"):
+        objectives.load_objective("my_flip:bad")

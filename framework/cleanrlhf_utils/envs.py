@@ -143,11 +143,13 @@ def make_env(
     task_seed: int | None = None,
     terminate_when_tilted: bool = True,
     camera: str = "env",
+    ends_episode: Callable[[np.ndarray], bool] | None = None,
 ):
     """A thunk building one env: Dict observations flattened (keys in a fixed order), camera-image observations
     refused, shadows cheapened for software rendering. `check_actions(env_id, action_space)` is the algorithm's
     own requirement on the action space (it raises ConfigError). `task_seed` picks a Meta-World task's layout
-    (default: `seed`); other envs ignore it. `camera`: what rgb_array frames show (CAMERAS)."""
+    (default: `seed`); other envs ignore it. `camera`: what rgb_array frames show (CAMERAS). `ends_episode(state)`:
+    an objective's own end of an episode (Objective.ends_episode), tested on the simulator state after each step."""
     need(camera in CAMERAS, f"--camera {camera} is not one of: {', '.join(CAMERAS)}")
 
     def thunk():
@@ -175,10 +177,25 @@ def make_env(
         lower_shadow_quality(env)
         if camera == "side":
             use_side_camera(env, env_id)
+        if ends_episode is not None:
+            env = EndsOnState(env, ends_episode)
         env.action_space.seed(seed)
         return env
 
     return thunk
+
+
+class EndsOnState(gym.Wrapper):
+    """Ends an episode (terminated, as a fall does) when `ends_episode` holds for the simulator state a step reached:
+    an objective's own failure, e.g. a Hopper part other than its foot touching the floor."""
+
+    def __init__(self, env: gym.Env, ends_episode: Callable[[np.ndarray], bool]):
+        super().__init__(env)
+        self.ends_episode = ends_episode
+
+    def step(self, action):
+        obs, reward, terminated, truncated, info = self.env.step(action)
+        return obs, reward, terminated or bool(self.ends_episode(get_physics_state(self.env))), truncated, info
 
 
 # ----------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from .envs import get_physics_state, make_env, reached_success, write_mp4
-from .objectives import Objective, episode_measures, load_objective, mean_measures
+from .objectives import Objective, episode_measures, mean_measures, run_objective
 
 
 def log_video(args, video: Path | None, step: int) -> None:
@@ -60,6 +60,7 @@ def evaluate_episodes(
         task_seed=task_seed,
         terminate_when_tilted=terminate_when_tilted,
         camera=camera,
+        ends_episode=None if objective is None else objective.ends_episode,
     )()
     discrete = isinstance(env.action_space, gym.spaces.Discrete)
     returns, successes, frames = [], [], []
@@ -141,7 +142,7 @@ def evaluate_and_log(
     prune the run; `show(states, step, mean_return)` gets the first episode's simulator states (human mode: the page
     shows people a clip of what the agent does now)."""
     video = video_dir / f"eval_step_{step}.mp4" if args.capture_video else None
-    objective, measures = load_objective(getattr(args, "teacher_objective", "") or getattr(args, "reward_objective", "")), []
+    objective, measures = run_objective(args), []
     states = [] if show is not None else None
     returns, successes = evaluate_episodes(
         policy,
