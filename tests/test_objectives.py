@@ -166,6 +166,40 @@ def test_ant_foot_height_is_mujocos():
     assert any(np.allclose(ours, np.asarray(theirs)[:, side]) for side in (0, 1))
 
 
+@pytest.mark.parametrize(("upside_down", "ends"), [(False, False), (True, True)])
+def test_an_ant_episode_on_raise_leg_ends_when_it_tips_over(upside_down, ends):
+    """The env a run on ant-raise-leg makes, stepped by real MuJoCo: an Ant standing up goes on, one turned upside
+    down ends its episode (terminated): a tipped-over Ant cannot right itself, so its episode has nothing left to
+    learn from."""
+    from cleanrlhf_utils.envs import make_env
+
+    env = make_env("Ant-v5", 0, ends_episode=objectives.OBJECTIVES["ant-raise-leg"].ends_episode)()
+    env.reset(seed=0)
+    qpos = env.unwrapped.init_qpos.copy()
+    qpos[2] = 0.6
+    qpos[3:7] = [0.0, 1.0, 0.0, 0.0] if upside_down else [1.0, 0.0, 0.0, 0.0]  # half a turn about x: upside down
+    env.unwrapped.set_state(qpos, env.unwrapped.init_qvel)
+    _, _, terminated, truncated, _ = env.step(np.zeros(8))
+    assert (terminated, truncated) == (ends, False)
+    env.close()
+
+
+def test_ant_raise_leg_success_is_a_share_of_the_full_episode():
+    """Success counts the steps with the foot up out of the env's 1000: an episode that ends after 100 steps with the
+    foot up in all of them scores 0.1, not 1 (ending early must not look like holding the leg up)."""
+    env = gym.make("Ant-v5").unwrapped
+    env.reset(seed=0)
+    qpos = env.init_qpos.copy()
+    qpos[2], qpos[7:9] = 0.9, [0.0, 0.6]  # torso high and level, front-left leg near its highest
+    env.set_state(qpos, env.init_qvel)
+    state = get_physics_state(env)
+    env.close()
+    height, up = objectives.ant_front_left_foot(state)
+    assert height > objectives.ANT_FOOT_HEIGHT and up > 0.99
+    episode = np.stack([state] * 101)[None]
+    assert objectives.ant_leg_raised_share(None, None, episode)[0] == pytest.approx(0.1)
+
+
 def test_example_objective_loads_and_runs(monkeypatch):
     monkeypatch.syspath_prepend(str(EXAMPLES))
     objective = objectives.load_objective("my_objective:hop_high")

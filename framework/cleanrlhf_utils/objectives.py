@@ -314,19 +314,40 @@ def ant_front_left_foot(states: Array) -> tuple[Array, Array]:
     return tip[..., 2], rotation[..., 2, 2]
 
 
+ANT_UPRIGHT = 0.5
+"""the torso's up-vector z component above which the Ant counts as upright (60 degrees of tilt at most)"""
+ANT_MIN_TORSO_HEIGHT = 0.3
+"""metres: the torso's height above which the Ant counts as up"""
+ANT_EPISODE_STEPS = 1000
+"""Gymnasium's Ant time limit: the share of steps with the foot up is over all of them, so ending early scores less"""
+
+
+def ant_upright(states: Array) -> Array:
+    """Whether the Ant's torso is upright (up-vector z > 0.5) and up (higher than 0.3 m) [...]."""
+    _, up = ant_front_left_foot(states)
+    return (up > ANT_UPRIGHT) & (qpos(states, ANT_NQ)[..., 2] > ANT_MIN_TORSO_HEIGHT)
+
+
+def ant_tipped_over(state: Array) -> Array:
+    """ant-raise-leg's end of an episode: the torso tilted past 60 degrees or down below 0.3 m [...]."""
+    return ~ant_upright(state)
+
+
 def ant_raise_leg(obs: Array, actions: Array, states: Array) -> Array:
     """The Ant holds its front-left foot high while its torso stays up: each step's reward is the foot tip's height
-    (metres) while the torso is upright (up-vector z > 0.5 and torso height > 0.3 m), else -1. Success: the share of
-    the episode's steps with the foot above 0.5 m and the torso upright."""
-    height, up = ant_front_left_foot(states)
-    upright = (up > 0.5) & (qpos(states, ANT_NQ)[..., 2] > 0.3)
-    return np.where(upright, height, -1.0)
+    (metres) while the torso is upright (up-vector z > 0.5 and torso height > 0.3 m), else -1; the episode ends once
+    the torso is not upright (a tipped-over Ant cannot right itself, and its foot height means nothing). Success: the
+    share of the 1000 steps of a full episode with the foot above 0.5 m and the torso upright. With the torso level,
+    the foot tip is at most 0.28 m below the torso's centre (hip and ankle ranges of Gymnasium's ant.xml), so 0.5 m
+    needs the Ant up on its other legs and leaning back from the raised one."""
+    height, _ = ant_front_left_foot(states)
+    return np.where(ant_upright(states), height, -1.0)
 
 
 def ant_leg_raised_share(obs: Array, actions: Array, states: Array) -> Array:
-    height, up = ant_front_left_foot(states)
-    raised = (height > ANT_FOOT_HEIGHT) & (up > 0.5) & (qpos(states, ANT_NQ)[..., 2] > 0.3)
-    return raised[:, :-1].mean(1)
+    height, _ = ant_front_left_foot(states)
+    raised = (height > ANT_FOOT_HEIGHT) & ant_upright(states)
+    return raised[:, :-1].sum(1) / ANT_EPISODE_STEPS
 
 
 # --- the example windmill (cleanrlhf_utils.example_envs.windmill): qpos = [angle], qvel = [angular velocity] ---
@@ -383,7 +404,7 @@ OBJECTIVES: dict[str, Objective] = {
         {"torso_high_backflips": hopper_backflips},
         hopper_body_on_floor,
     ),
-    "ant-raise-leg": Objective("ant-raise-leg", ant_raise_leg, ant_leg_raised_share, ("Ant",)),
+    "ant-raise-leg": Objective("ant-raise-leg", ant_raise_leg, ant_leg_raised_share, ("Ant",), ends_episode=ant_tipped_over),
     "halfcheetah-backward": Objective("halfcheetah-backward", halfcheetah_backward, halfcheetah_backward_speed, ("HalfCheetah",)),
     "windmill-clockwise": Objective("windmill-clockwise", windmill_clockwise, _turning_share(1.0), ("Windmill",)),
     "windmill-counterclockwise": Objective("windmill-counterclockwise", windmill_counterclockwise, _turning_share(-1.0), ("Windmill",)),
