@@ -206,44 +206,19 @@ def check_ppo_actions(env_id: str, space: gym.Space) -> None:
     )
 
 
-def make_env(
-    env_id: str,
-    seed: int,
-    render_mode=None,
-    width=320,
-    height=240,
-    terminate_when_unhealthy=True,
-    task_seed=None,
-    terminate_when_tilted=True,
-    ends_episode=None,
-):
+def make_env(env_id: str, seed: int, render_mode=None, width=320, height=240, terminate_when_unhealthy=True, task_seed=None, **settings):
     """cleanrlhf_utils' environment, refused unless PPO can act in it (task_seed: the Meta-World layout, default seed's;
-    ends_episode: the objective's end of an episode)."""
+    settings: terminate_when_tilted, ends_episode)."""
     return cleanrlhf_envs.make_env(
-        env_id,
-        seed,
-        render_mode,
-        width,
-        height,
-        terminate_when_unhealthy,
-        check_ppo_actions,
-        task_seed,
-        terminate_when_tilted,
-        ends_episode=ends_episode,
+        env_id, seed, render_mode, width, height, terminate_when_unhealthy, check_ppo_actions, task_seed, **settings
     )
 
 
 def make_vector_env(args: PPOArgs) -> gym.vector.SyncVectorEnv:
     """num_envs copies with Gymnasium's next-step autoreset, all on the Meta-World layout of the run's seed."""
-    settings = (
-        args.video_width,
-        args.video_height,
-        args.terminate_when_unhealthy,
-        args.seed,
-        args.terminate_when_tilted,
-        episode_end(args),
-    )
-    copies = [make_env(args.env_id, args.seed + i, None, *settings) for i in range(args.num_envs)]
+    settings = (args.video_width, args.video_height, args.terminate_when_unhealthy, args.seed)
+    ends = {"terminate_when_tilted": args.terminate_when_tilted, "ends_episode": episode_end(args)}
+    copies = [make_env(args.env_id, args.seed + i, None, *settings, **ends) for i in range(args.num_envs)]
     return gym.vector.SyncVectorEnv(copies, autoreset_mode=gym.vector.AutoresetMode.NEXT_STEP)
 
 

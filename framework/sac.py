@@ -108,28 +108,9 @@ def check_sac_actions(env_id: str, space: gym.Space) -> None:
     )
 
 
-def make_env(
-    env_id: str,
-    seed: int,
-    render_mode=None,
-    width=320,
-    height=240,
-    terminate_when_unhealthy=True,
-    terminate_when_tilted=True,
-    ends_episode=None,
-):
-    """cleanrlhf_utils' environment, refused unless SAC can act in it (ends_episode: the objective's end of an episode)."""
-    return cleanrlhf_envs.make_env(
-        env_id,
-        seed,
-        render_mode,
-        width,
-        height,
-        terminate_when_unhealthy,
-        check_sac_actions,
-        terminate_when_tilted=terminate_when_tilted,
-        ends_episode=ends_episode,
-    )
+def make_env(env_id: str, seed: int, render_mode=None, width=320, height=240, terminate_when_unhealthy=True, **settings):
+    """cleanrlhf_utils' environment, refused unless SAC can act in it (settings: terminate_when_tilted, ends_episode)."""
+    return cleanrlhf_envs.make_env(env_id, seed, render_mode, width, height, terminate_when_unhealthy, check_sac_actions, **settings)
 
 
 # ----------------------------------------------------------------------------------------
@@ -343,8 +324,8 @@ def main(args: Args, on_evaluation: Callable[[int, float], None] | None = None, 
     objective = objective or measured
     run = Run(args, "sac", on_evaluation)
     with contextlib.ExitStack() as cleanup:  # closes what was opened however the run ends (a sweep may prune it)
-        settings = (args.video_width, args.video_height, args.terminate_when_unhealthy, args.terminate_when_tilted, episode_end(args))
-        env = make_env(args.env_id, args.seed, None, *settings)
+        ends = {"terminate_when_tilted": args.terminate_when_tilted, "ends_episode": episode_end(args)}
+        env = make_env(args.env_id, args.seed, None, args.video_width, args.video_height, args.terminate_when_unhealthy, **ends)
         envs = gym.vector.SyncVectorEnv([env], autoreset_mode=gym.vector.AutoresetMode.NEXT_STEP)
         cleanup.callback(envs.close)
         writer = run.start_logging(cleanup)

@@ -216,9 +216,8 @@ def test_an_episode_of_the_objective_ends_when_anything_but_the_foot_touches_the
 
     args = sac.Args(env_id="Hopper-v5", reward_objective="hopper-landed-backflip")
     objectives.apply_objective(args, argv=["sac.py"], field="reward_objective")
-    env = sac.make_env(
-        "Hopper-v5", 0, None, 320, 240, args.terminate_when_unhealthy, args.terminate_when_tilted, objectives.episode_end(args)
-    )()
+    settings = {"terminate_when_tilted": args.terminate_when_tilted, "ends_episode": objectives.episode_end(args)}
+    env = sac.make_env("Hopper-v5", 0, None, 320, 240, args.terminate_when_unhealthy, **settings)()
     env.reset(seed=0)
     qpos = on_floor(0.0 if pose == "standing" else np.pi, STRAIGHT)
     env.unwrapped.set_state(qpos, np.zeros(6))
