@@ -231,8 +231,9 @@ HOPPER_LANDED_BONUS = 0.1
 """reward per step standing on the foot, upright, after a full backward turn: about 10 over the discounted horizon,
 more than the turn itself earns, so a flip that lands is worth about twice one that crashes"""
 HOPPER_WAITING_COST = 0.05
-"""reward per step (minus) before the first full backward turn: SAC's entropy bonus pays for every step an episode
-lasts, so without it standing still until the time limit outbids a flip that may crash (measured: it did, by 70k)"""
+"""reward per step (minus) before the first full backward turn: a crash ends the episode, so without a cost standing
+still until the time limit outbids a flip that may crash (SAC did so by 70k steps; with this cost one seed of two still
+stands: docs/benchmarks/backflip.md)"""
 HOPPER_FLIPS_PAID = 1
 """full backward turns (from the start's upright pitch) whose rotation in the air pays: turning on past them earns
 nothing, so over-rotating into a crash gains nothing over landing"""
@@ -249,8 +250,9 @@ def hopper_landed_backflip(obs: Array, actions: Array, states: Array) -> Array:
     backwards (unwrapped pitch above -2 pi), and its forward rotation (minus) at any time, so only a turn in the air
     pays, once, and rocking back and forth nets nothing; plus 0.1 per step standing on the foot alone within 0.5 rad
     of upright after a full backward turn (unwrapped pitch at most -2 pi + 0.5), and minus 0.05 per step before that
-    turn: waiting costs, a flip that lands pays on. The episode ends when the torso, thigh or leg touches the floor, so a roll over the floor cannot turn the
-    Hopper round, and a crashed landing ends the episode with the turn's reward alone. Success: landed backflips per
+    turn: waiting costs, a flip that lands pays on. The episode ends when the torso, thigh or leg touches the floor,
+    so a roll over the floor cannot turn the Hopper round, and a crashed landing ends the episode with the turn's
+    reward alone. Success: landed backflips per
     episode (hopper_landed_backflips: a turn of at least 2 pi between a take-off from the foot and a landing on it,
     upright, with nothing but the foot touching the floor for 0.2 s after). Needs --no-terminate-when-unhealthy and
     --no-terminate-when-tilted (set for you): upside down in the air the torso is below Gymnasium's healthy height.
