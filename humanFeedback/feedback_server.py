@@ -130,6 +130,15 @@ def utc_now() -> str:
 # --------------------------------------------------------------------------------------------
 
 
+# Columns a database of an older schema lacks: added at start, filled as that version meant them (an old label or lease
+# was its annotator's name's, as the token's are now).
+MIGRATIONS = (
+    ("evaluations", "kind", "TEXT NOT NULL DEFAULT 'check' CHECK (kind IN ('check', 'agent'))", None),
+    ("queries", "lease_holder", "TEXT", "UPDATE queries SET lease_holder = 'token:' || lease_annotator WHERE lease_annotator IS NOT NULL"),
+    ("labels", "holder", "TEXT", "UPDATE labels SET holder = 'token:' || annotator"),
+)
+
+
 class Store:
     def __init__(self, data_dir: Path):
         self.data_dir = data_dir
@@ -142,14 +151,38 @@ class Store:
             if mode.lower() != "wal":
                 raise RuntimeError(f"SQLite refused WAL mode for {self.db_path} (got {mode!r})")
             con.executescript(SCHEMA_PATH.read_text())
-            if "kind" not in [row[1] for row in con.execute("PRAGMA table_info(evaluations)")]:  # a database of an older schema
-                con.execute("ALTER TABLE evaluations ADD COLUMN kind TEXT NOT NULL DEFAULT 'check' CHECK (kind IN ('check', 'agent'))")
+            for table, column, declaration, fill in MIGRATIONS:
+                if column not in [row[1] for row in con.execute(f"PRAGMA table_info({table})")]:
+                    con.execute(f"ALTER TABLE {table} ADD COLUMN {column} {declaration}")
+                    if fill is not None:
+                        con.execute(fill)
+            self.remove_orphan_clips(con)
         finally:
             con.close()
-        # the temporary files of uploads a killed server was writing: never linked to a clip name, never to be
+
+    def remove_orphan_clips(self, con: sqlite3.Connection) -> None:
+        """At start, before any upload: what a server killed mid-upload left, the temporary files of the clips it was
+        writing and clips whose rows it never committed (no query or evaluation names them). The trainer re-sends such
+        a batch whole."""
         for partial in self.clips_dir.glob(f"*/{UPLOAD_TMP_PREFIX}*{UPLOAD_TMP_SUFFIX}"):
             with contextlib.suppress(OSError):
                 partial.unlink()
+        for folder in self.clips_dir.iterdir():
+            if not (folder.is_dir() and folder.name.isascii() and folder.name.isdigit() and len(folder.name) <= 19):
+                continue  # not a run's folder: not this server's to judge
+            run_id = int(folder.name)
+            named = {
+                row[0]
+                for row in con.execute(
+                    "SELECT left_clip FROM queries WHERE run_id = :run UNION SELECT right_clip FROM queries WHERE run_id = :run "
+                    "UNION SELECT clip FROM evaluations WHERE run_id = :run",
+                    {"run": run_id},
+                )
+            }
+            for clip in folder.glob("*.mp4"):
+                if clip.name not in named:
+                    with contextlib.suppress(OSError):
+                        clip.unlink()
 
     def connect(self) -> sqlite3.Connection:
         con = sqlite3.connect(self.db_path, timeout=DB_TIMEOUT_SECONDS, isolation_level=None, check_same_thread=False)
@@ -204,6 +237,34 @@ def now() -> float:
     return cfg("clock")()
 
 
+SURROGATE_RE = re.compile("[\ud800-\udfff]")  # half of a UTF-16 pair: JSON can write one, UTF-8 cannot store it
+CONTROL_RE = re.compile("[\x00-\x1f\x7f-\x9f]")  # a control character: never part of a name a page shows
+
+
+def check_json_text(value, what: str) -> None:
+    """Every string in a parsed JSON value (keys too) is text UTF-8 can store: a lone surrogate is a 400 naming where."""
+    stack = [value]
+    while stack:  # not recursive: a JSON value may nest as deep as the parser allowed
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, str) and SURROGATE_RE.search(item):
+            raise ApiError(400, f"{what} holds {item[:40]!r}, with a lone surrogate (half of a UTF-16 pair); send text as valid UTF-8.")
+
+
+def parse_json(raw: bytes | str, what: str, expected: str):
+    """`raw` parsed as JSON, its text checked (check_json_text); a 400 naming `what` and the `expected` value otherwise."""
+    try:
+        value = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise ApiError(400, f"{what} is not valid JSON ({str(e)[:120]}); send {expected}.") from None
+    check_json_text(value, what)
+    return value
+
+
 def json_body(allowed: tuple[str, ...]) -> dict:
     """The request's JSON object; a key outside ``allowed`` is refused (400 naming it)."""
     if (request.content_length or 0) > MAX_JSON_BYTES:
@@ -211,40 +272,56 @@ def json_body(allowed: tuple[str, ...]) -> dict:
     raw = request.get_data(cache=True)
     if not raw:
         raise ApiError(400, "The request body is empty; send a JSON object.")
-    try:
-        body = json.loads(raw)
-    except (ValueError, RecursionError) as e:
-        raise ApiError(400, f"The request body is not valid JSON ({e}); send a JSON object.") from None
+    body = parse_json(raw, "The request body", "a JSON object")
     if not isinstance(body, dict):
         raise ApiError(400, f"The request body must be a JSON object, got {type(body).__name__}.")
     extra = sorted(set(body) - set(allowed))
     if extra:
-        raise ApiError(400, f"Unknown field(s) {', '.join(extra)}; allowed fields are {', '.join(allowed)}.")
+        raise ApiError(400, f"Unknown field(s) {', '.join(extra)[:200]}; allowed fields are {', '.join(allowed)}.")
     return body
+
+
+def plain_text(value, limit: int = MAX_TEXT) -> str | None:
+    """`value` stripped if it is a name a page can show: a string of 1 to `limit` characters, valid UTF-8 (no lone
+    surrogate) and no control character; else None."""
+    if not isinstance(value, str):
+        return None
+    value = value.strip()
+    return value if 0 < len(value) <= limit and not SURROGATE_RE.search(value) and not CONTROL_RE.search(value) else None
 
 
 def text_field(body: dict, key: str, required: bool = True) -> str | None:
     value = body.get(key)
     if value is None and not required:
         return None
-    if not isinstance(value, str) or not value.strip() or len(value) > MAX_TEXT:
+    text = plain_text(value)
+    if text is None:
         shown = "missing" if value is None else repr(value)[:60]
-        raise ApiError(400, f"Field '{key}' is {shown}; it must be a non-empty string of at most {MAX_TEXT} characters.")
-    return value.strip()
+        raise ApiError(
+            400, f"Field '{key}' is {shown}; it must be a non-empty string of at most {MAX_TEXT} characters, without control characters."
+        )
+    return text
 
 
 def annotator_arg(value) -> str:
-    if not isinstance(value, str) or not value.strip() or len(value.strip()) > MAX_TEXT:
+    text = plain_text(value)
+    if text is None:
         shown = "missing" if value is None else repr(value)[:60]
-        raise ApiError(400, f"annotator is {shown}; it must be a non-empty name of at most {MAX_TEXT} characters.")
-    return value.strip()
+        raise ApiError(
+            400, f"annotator is {shown}; it must be a non-empty name of at most {MAX_TEXT} characters, without control characters."
+        )
+    return text
 
 
 def id_value(value, what: str):
-    """Segment ids and sessions: an integer or a non-empty string."""
+    """Segment ids and sessions: an integer or a non-empty string (valid UTF-8, no control character)."""
     ok_int = isinstance(value, int) and not isinstance(value, bool) and abs(value) <= MAX_ID
-    if not (ok_int or (isinstance(value, str) and value and len(value) <= MAX_TEXT)):
-        raise ApiError(400, f"{what} is {value!r}; it must be a 64-bit integer or a non-empty string of at most {MAX_TEXT} characters.")
+    ok_text = (
+        isinstance(value, str) and value and len(value) <= MAX_TEXT and not SURROGATE_RE.search(value) and not CONTROL_RE.search(value)
+    )
+    if not (ok_int or ok_text):
+        shown = repr(value)[:60]
+        raise ApiError(400, f"{what} is {shown}; it must be a 64-bit integer or a non-empty string of at most {MAX_TEXT} characters.")
     return value
 
 
@@ -258,13 +335,10 @@ def int_arg(name: str, default: int, minimum: int = 0, maximum: int = MAX_ID) ->
     raw = request.args.get(name)
     if raw is None or raw == "":
         return default
-    try:
-        value = int(raw)
-    except ValueError:
-        value = None
+    value = int(raw) if raw.isascii() and raw.isdigit() and len(raw) <= len(str(MAX_ID)) else None  # bounded before int()
     if value is None or value < minimum or value > maximum:
         allowed = f"an integer >= {minimum}" + (f" and <= {maximum}" if maximum < MAX_ID else "")
-        raise ApiError(400, f"Query parameter {name}={raw!r} is not allowed; use {allowed}.")
+        raise ApiError(400, f"Query parameter {name}={raw[:40]!r} is not allowed; use {allowed}.")
     return value
 
 
@@ -301,10 +375,7 @@ def parse_upload(field: str) -> tuple[list, dict[str, bytes]]:
     raw = request.form.get(field)
     if raw is None:
         raise ApiError(400, f"Form field '{field}' is missing; send it as a JSON list.")
-    try:
-        items = json.loads(raw)
-    except (ValueError, RecursionError) as e:
-        raise ApiError(400, f"Form field '{field}' is not valid JSON ({e}); send a JSON list.") from None
+    items = parse_json(raw, f"Form field '{field}'", "a JSON list")
     if not isinstance(items, list) or not items:
         raise ApiError(400, f"Form field '{field}' must be a non-empty JSON list of objects.")
     files: dict[str, bytes] = {}
@@ -600,11 +671,25 @@ def query_payload(con: sqlite3.Connection, q: sqlite3.Row) -> dict:
     }
 
 
-def lease(con: sqlite3.Connection, query_id: int, annotator: str) -> None:
+def principal() -> access.Principal:
+    """Whom the request speaks for (access.Access.judge, in check_access)."""
+    return g.principal
+
+
+def lease(con: sqlite3.Connection, query_id: int, annotator: str, holder: str) -> None:
     con.execute(
-        "UPDATE queries SET lease_annotator = ?, lease_expires = ? WHERE id = ?",
-        (annotator, now() + cfg("lease_seconds"), query_id),
+        "UPDATE queries SET lease_annotator = ?, lease_expires = ?, lease_holder = ? WHERE id = ?",
+        (annotator, now() + cfg("lease_seconds"), holder, query_id),
     )
+
+
+UNLABELLED = "NOT EXISTS (SELECT 1 FROM labels l WHERE l.query_id = q.id)"
+
+
+def pairs_held(con: sqlite3.Connection, holder: str, besides: int | None = None) -> int:
+    """Unanswered pairs leased to `holder` now (the cap counts these), leaving out query `besides`."""
+    sql = f"SELECT COUNT(*) FROM queries q WHERE q.lease_holder = ? AND q.lease_expires > ? AND {UNLABELLED} AND q.id IS NOT ?"
+    return con.execute(sql, (holder, now(), besides)).fetchone()[0]
 
 
 def run_payload(r: sqlite3.Row, with_meta: bool = False) -> dict:
@@ -661,15 +746,71 @@ def show_config():
         allow_editing=cfg("allow_editing"),
         playback_speed=cfg("playback_speed"),
         lease_seconds=cfg("lease_seconds"),
+        role=principal().role,
     )
+
+
+@api.get(protocol.SERVER_PROOF)
+def server_proof():
+    """The answer to a trainer's challenge (protocol.server_proof): it proves this server holds the token without
+    showing it, so that a trainer never sends its token to something else squatting on the port."""
+    nonce, token = request.args.get("nonce", ""), cfg("token")
+    if not protocol.NONCE_PATTERN.fullmatch(nonce):
+        raise ApiError(400, f"nonce {nonce[:40]!r} is not allowed; use 16 to 128 letters, digits, '_' or '-'.")
+    return jsonify(proof=None if token is None else protocol.server_proof(token, nonce))
+
+
+def invitation_reply(invitation: int, code: str, role: str, name: str):
+    return jsonify(
+        invitation_id=invitation, url=access.login_url("", code), expires_seconds=access.LOGIN_CODE_SECONDS, role=role, name=name
+    ), 201
 
 
 @api.post(protocol.LOGIN_CODES)
 def make_login_code():
-    """A one-time login link for a browser (the trainer prints one; the page's "Invite someone" shows one)."""
+    """The trainer's own one-time login link (the trainer prints one when it starts): a browser with the trainer's role."""
     json_body(())
-    code = access.new_login_code(db(), now())
-    return jsonify(url=access.login_url("", code), expires_seconds=access.LOGIN_CODE_SECONDS), 201
+    invitation, code = access.new_invitation(db(), now(), "trainer", "the trainer's login link")
+    return invitation_reply(invitation, code, "trainer", "the trainer's login link")
+
+
+@api.post(protocol.INVITATIONS)
+def make_invitation():
+    """A one-time login link for someone else (the page's "Invite someone"): an annotator, who sees pairs and answers them."""
+    body = json_body(("name",))
+    name = text_field(body, "name", required=False) or ""
+    invitation, code = access.new_invitation(db(), now(), "annotator", name)
+    return invitation_reply(invitation, code, "annotator", name)
+
+
+@api.get(protocol.INVITATIONS)
+def list_invitations():
+    """Every invitation, newest first: its role, name, state (waiting, in use, expired, revoked) and times."""
+    rows = db().execute("SELECT * FROM invitations ORDER BY id DESC").fetchall()
+    fields = ("role", "name", "created_at", "expires_at", "used_at", "revoked_at")
+    return jsonify(
+        invitations=[{"invitation_id": r["id"], **{k: r[k] for k in fields}, "state": access.invitation_state(r, now())} for r in rows]
+    )
+
+
+@api.post(protocol.INVITATION_REVOKE)
+def revoke_invitation(invitation_id: int):
+    """The invitation's code is dead and the browsers it let in are logged out (their next request is a 401); the pairs
+    they held are free for others at once."""
+    json_body(())
+    with write_transaction() as con:
+        row = con.execute("SELECT * FROM invitations WHERE id = ?", (invitation_id,)).fetchone()
+        if row is None:
+            raise ApiError(404, f"Invitation {invitation_id} does not exist; GET {protocol.INVITATIONS} lists them.")
+        if row["revoked_at"] is None:
+            con.execute("UPDATE invitations SET revoked_at = ? WHERE id = ?", (now(), invitation_id))
+        prefix = access.grant_of(row["role"], invitation_id) + ":"
+        con.execute(
+            "UPDATE queries SET lease_annotator = NULL, lease_expires = NULL, lease_holder = NULL WHERE substr(lease_holder, 1, ?) = ?",
+            (len(prefix), prefix),
+        )
+    cfg("access").revoked.add(invitation_id)
+    return jsonify(invitation_id=invitation_id, state="revoked")
 
 
 @api.get(protocol.RUNS)
@@ -798,7 +939,10 @@ def report_progress(run_id: int):
                 "ON CONFLICT (run_id, session) DO UPDATE SET size = excluded.size",
                 (run_id, report["session"], report["session_size"]),
             )
-    return jsonify(run_id=run_id, progress=report), 200
+        # every label write up to here was answered under the previous report: one that reports "finished" reads answers
+        # up to this seq and no further, so what the page told a person (learned or not) is what the run does
+        label_seq = con.execute("SELECT value FROM sequence WHERE name = 'label'").fetchone()[0]
+    return jsonify(run_id=run_id, progress=report, label_seq=label_seq), 200
 
 
 def learning(con: sqlite3.Connection, run_id: int) -> str:
@@ -859,30 +1003,34 @@ def upload_queries(run_id: int):
     return jsonify(query_ids=store_batch(run_id, "queries", check_query_entry, find_query, insert_query)), 201
 
 
+def query_ids_arg(raw: str, what: str, most: int) -> list[int]:
+    """A comma-separated list of at most `most` query ids (each bounded before it is read as a number)."""
+    ids = []
+    for part in filter(None, (p.strip() for p in raw.split(","))):
+        if not (part.isascii() and part.isdigit() and len(part) <= len(str(MAX_ID))) or int(part) > MAX_ID or len(ids) == most:
+            raise ApiError(400, f"{what}={raw[:60]!r} is not allowed; use a comma-separated list of at most {most} query ids.")
+        ids.append(int(part))
+    return ids
+
+
+MAX_EXCLUDE = 1000  # query ids one /api/next may leave out (the page's pairs on screen and answers not yet sent)
+
+
 @api.get(protocol.NEXT_QUERY)
 def next_query():
     annotator = annotator_arg(request.args.get("annotator"))
+    holder = principal().holder(annotator)
     run_id = int_arg("run_id", default=0, minimum=1) if request.args.get("run_id") else None
-    exclude = []
-    raw_exclude = request.args.get("exclude", "")
-    for part in filter(None, (p.strip() for p in raw_exclude.split(","))):
-        if not (part.isascii() and part.isdigit()) or int(part) > MAX_ID:
-            raise ApiError(400, f"exclude={raw_exclude!r} is not allowed; use a comma-separated list of query ids.")
-        exclude.append(int(part))
+    exclude = query_ids_arg(request.args.get("exclude", ""), "exclude", MAX_EXCLUDE)
     with write_transaction() as con:
         if run_id is not None:
             require_run(con, run_id)
-        unlabelled = "NOT EXISTS (SELECT 1 FROM labels l WHERE l.query_id = q.id)"
-        held = con.execute(
-            f"SELECT COUNT(*) FROM queries q WHERE q.lease_annotator = ? AND q.lease_expires > ? AND {unlabelled}", (annotator, now())
-        ).fetchone()[0]
-        sql = (
-            f"SELECT q.* FROM queries q WHERE {unlabelled} AND (q.lease_annotator IS NULL OR q.lease_expires <= ? OR q.lease_annotator = ?)"
-        )
-        params: list = [now(), annotator]
+        held = pairs_held(con, holder)
+        sql = f"SELECT q.* FROM queries q WHERE {UNLABELLED} AND (q.lease_holder IS NULL OR q.lease_expires <= ? OR q.lease_holder = ?)"
+        params: list = [now(), holder]
         if held >= MAX_LEASES_PER_ANNOTATOR:  # only a pair this annotator holds already
-            sql += " AND q.lease_annotator = ? AND q.lease_expires > ?"
-            params += [annotator, now()]
+            sql += " AND q.lease_holder = ? AND q.lease_expires > ?"
+            params += [holder, now()]
         if run_id is not None:
             sql += " AND q.run_id = ?"
             params.append(run_id)
@@ -895,16 +1043,32 @@ def next_query():
         if q is None and held >= MAX_LEASES_PER_ANNOTATOR:
             raise ApiError(
                 429,
-                f"Annotator {annotator!r} holds {held} pairs already, the most one person may hold at once; answer one of them "
+                f"You hold {held} pairs already, the most one person may hold at once; answer one of them "
                 f"or let its lease end ({cfg('lease_seconds'):g} s), then ask again.",
             )
         if q is None:  # with what the trainers last reported, so the page can say what happens meanwhile
             training = progress_reports(con, run_id)
             return jsonify(waiting=True, training=training) if training else jsonify(waiting=True)
-        lease(con, q["id"], annotator)
+        lease(con, q["id"], annotator, holder)
         q = con.execute("SELECT * FROM queries WHERE id = ?", (q["id"],)).fetchone()
         payload = query_payload(con, q)
     return jsonify(payload)
+
+
+def check_may_answer(q: sqlite3.Row, holder: str) -> None:
+    """A pair is answered by whom it was leased to (GET /api/next): a browser only answers its own pairs (its lease may
+    have ended, as long as nobody else has the pair since: an answer kept in the browser through an outage still counts);
+    the token's scripts also answer a pair nobody holds."""
+    mine = q["lease_holder"] == holder
+    if mine or (principal().session is None and (q["lease_holder"] is None or q["lease_expires"] <= now())):
+        return
+    if q["lease_holder"] is not None and q["lease_expires"] > now():
+        # shown to someone else right now: they would answer it too, and one of the two answers be lost
+        raise ApiError(
+            409,
+            f"Query {q['id']} is shown to another annotator for {q['lease_expires'] - now():.0f} s more; label the pair GET /api/next gives you.",
+        )
+    raise ApiError(409, f"Query {q['id']} is not leased to you; label the pairs GET /api/next gives you.")
 
 
 @api.post(protocol.QUERY_LABEL)
@@ -912,29 +1076,24 @@ def label_query(query_id: int):
     require_query(db(), query_id)
     body = json_body(("choice", "annotator"))
     annotator = annotator_arg(body.get("annotator"))
+    holder = principal().holder(annotator)
     choice = body.get("choice")
     allowed = cfg("choices")
     if choice not in allowed:
-        raise ApiError(400, f"choice {choice!r} is not allowed; use one of {', '.join(allowed)}.")
+        raise ApiError(400, f"choice {str(choice)[:40]!r} is not allowed; use one of {', '.join(allowed)}.")
     with write_transaction() as con:
         q = require_query(con, query_id)
         old = con.execute("SELECT * FROM labels WHERE query_id = ?", (query_id,)).fetchone()
-        if old is None and q["lease_annotator"] not in (None, annotator) and q["lease_expires"] > now():
-            # shown to someone else right now: they would answer it too, and one of the two answers be lost
-            raise ApiError(
-                409,
-                f"Query {query_id} is shown to another annotator for {q['lease_expires'] - now():.0f} s more; "
-                "label the pair GET /api/next gives you.",
-            )
         if old is None:
+            check_may_answer(q, holder)
             stamp = utc_now()
             cur = con.execute(
-                "INSERT INTO labels (query_id, choice, annotator, created_at, updated_at, seq) VALUES (?, ?, ?, ?, ?, ?)",
-                (query_id, choice, annotator, stamp, stamp, next_seq(con)),
+                "INSERT INTO labels (query_id, choice, annotator, created_at, updated_at, seq, holder) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (query_id, choice, annotator, stamp, stamp, next_seq(con), holder),
             )
-            con.execute("UPDATE queries SET lease_annotator = NULL, lease_expires = NULL WHERE id = ?", (query_id,))
+            con.execute("UPDATE queries SET lease_annotator = NULL, lease_expires = NULL, lease_holder = NULL WHERE id = ?", (query_id,))
             label_id, status, updated = cur.lastrowid, 201, False
-        elif old["annotator"] != annotator:
+        elif old["holder"] != holder:
             raise ApiError(409, f"Query {query_id} is already labelled by another annotator; ask for a new pair with GET /api/next.")
         elif old["choice"] == choice:
             label_id, status, updated = old["id"], 200, False
@@ -945,8 +1104,8 @@ def label_query(query_id: int):
             )
         else:
             con.execute(
-                "UPDATE labels SET choice = ?, updated_at = ?, seq = ? WHERE id = ?",
-                (choice, utc_now(), next_seq(con), old["id"]),
+                "UPDATE labels SET choice = ?, annotator = ?, updated_at = ?, seq = ? WHERE id = ?",
+                (choice, annotator, utc_now(), next_seq(con), old["id"]),
             )
             label_id, status, updated = old["id"], 200, True
         progress, learned = progress_for(con, q["run_id"], q["session"]), learning(con, q["run_id"])
@@ -955,23 +1114,44 @@ def label_query(query_id: int):
 
 @api.post(protocol.QUERY_UNDO)
 def undo_label(query_id: int):
+    """The query is pending again and leased to whoever undid it, within their cap: the pairs named in `release` (the
+    page's next pair, which the undone one takes the place of) are given up first; one who would hold more than the cap
+    gets 429 and nothing changes."""
     if not cfg("allow_editing"):
         raise ApiError(403, "Undo is disabled on this server (--no-editing); labels cannot be changed.")
     require_query(db(), query_id)
-    body = json_body(("annotator",))
+    body = json_body(("annotator", "release"))
     annotator = annotator_arg(body.get("annotator"))
+    holder = principal().holder(annotator)
+    release = body.get("release") or []
+    ids = isinstance(release, list) and all(isinstance(r, int) and not isinstance(r, bool) and 1 <= r <= MAX_ID for r in release)
+    if not (ids and len(release) <= MAX_LEASES_PER_ANNOTATOR):
+        raise ApiError(400, f"Field 'release' must be a list of at most {MAX_LEASES_PER_ANNOTATOR} query ids you hold.")
     with write_transaction() as con:
         old = con.execute("SELECT * FROM labels WHERE query_id = ?", (query_id,)).fetchone()
         if old is None:
             raise ApiError(409, f"Query {query_id} has no label to undo; only labelled queries can be undone.")
-        if old["annotator"] != annotator:
+        if old["holder"] != holder:
             raise ApiError(409, f"Query {query_id} was labelled by another annotator; only your own labels can be undone.")
+        for released in release:
+            con.execute(
+                f"UPDATE queries SET lease_annotator = NULL, lease_expires = NULL, lease_holder = NULL "
+                f"WHERE id = ? AND lease_holder = ? AND id IN (SELECT q.id FROM queries q WHERE {UNLABELLED})",
+                (released, holder),
+            )
+        held = pairs_held(con, holder, besides=query_id)
+        if held >= MAX_LEASES_PER_ANNOTATOR:
+            raise ApiError(
+                429,
+                f"You hold {held} pairs already, the most one person may hold at once; answer one of them, then undo "
+                f"(or name the pair the undone one replaces in 'release').",
+            )
         con.execute(
             "INSERT INTO label_tombstones (seq, label_id, query_id, choice, annotator, created_at, deleted_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
-            (next_seq(con), old["id"], query_id, old["choice"], annotator, old["created_at"], utc_now()),
+            (next_seq(con), old["id"], query_id, old["choice"], old["annotator"], old["created_at"], utc_now()),
         )
         con.execute("DELETE FROM labels WHERE id = ?", (old["id"],))
-        lease(con, query_id, annotator)
+        lease(con, query_id, annotator, holder)
         q = con.execute("SELECT * FROM queries WHERE id = ?", (query_id,)).fetchone()
         payload, learned = query_payload(con, q), learning(con, q["run_id"])
     return jsonify(undone_label_id=old["id"], undone_choice=old["choice"], query=payload, learned=learned)
@@ -1082,10 +1262,12 @@ def on_http_error(e: HTTPException):
 
 def check_access():
     """access.Access's verdict on the request (serving.py may have reached it before the body, and dropped the body):
-    a browser that is not logged in gets the login page for the labelling page, everything else a JSON error."""
-    refusal = request.environ.get(access.REFUSAL_KEY) or cfg("access").refusal(
+    a browser that is not logged in gets the login page for the labelling page, everything else a JSON error. Whom the
+    request speaks for is kept for the routes (principal())."""
+    refusal, g.principal = cfg("access").judge(
         request.method, request.path, request.headers.get, request.environ.get("SERVER_PORT"), request.content_length
     )
+    refusal = request.environ.get(access.REFUSAL_KEY) or refusal
     if refusal is None:
         return None
     if refusal.status == 401 and request.endpoint == "page.annotation_page":
@@ -1098,6 +1280,14 @@ def check_ids():
     for key, value in (request.view_args or {}).items():
         if isinstance(value, int) and value > MAX_ID:
             raise ApiError(400, f"{key} {value} is not allowed; ids are integers from 1 to {MAX_ID}.")
+
+
+def origin_host(origin: str) -> str | None:
+    """The host[:port] an Origin header names; None for one that is not a URL (a browser's "null", garbage)."""
+    try:
+        return urlsplit(origin).netloc
+    except ValueError:
+        return None
 
 
 def check_write_request():
@@ -1117,7 +1307,7 @@ def check_write_request():
     if site is not None and site not in ("same-origin", "none"):
         raise ApiError(403, f"Cross-origin write refused (Sec-Fetch-Site: {site}); label from the page this server serves.")
     origin = request.headers.get("Origin")
-    if origin is not None and urlsplit(origin).netloc != request.host:
+    if origin is not None and origin_host(origin) != request.host:
         raise ApiError(
             403, f"Cross-origin write refused (Origin {origin!r} is not {request.host!r}); label from the page this server serves."
         )
@@ -1164,13 +1354,19 @@ def create_app(
     if token is not None and not token:
         raise ValueError("token must be a non-empty string or None")
 
+    store = Store(Path(data_dir).resolve())
+    con = store.connect()
+    try:
+        revoked = access.revoked_invitations(con)
+    finally:
+        con.close()
     app = Flask(__name__, static_folder=None)
     app.config.update(MAX_CONTENT_LENGTH=max_upload_bytes, MAX_FORM_MEMORY_SIZE=max_upload_bytes, MAX_FORM_PARTS=100_000)
     app.json.sort_keys = False
     app.extensions["feedback"] = {
-        "store": Store(Path(data_dir).resolve()),
+        "store": store,
         "token": token,
-        "access": Access(app, token, host_names, max_upload_bytes, clock),
+        "access": Access(app, token, host_names, max_upload_bytes, clock, revoked),
         "choices": [c for c in CHOICES if (c != "tie" or allow_ties) and (c != "skip" or allow_skip)],
         "allow_editing": allow_editing,
         "playback_speed": float(playback_speed),
@@ -1353,11 +1549,11 @@ def main(argv=None) -> int:
     if sys.stderr.isatty():  # a terminal, not a log file: the one-time login link is for the person who started it
         con = cfg_of(app, "store").connect()
         try:
-            code = access.new_login_code(con, time.time())
+            _, code = access.new_invitation(con, time.time(), "trainer", "the server's terminal")
         finally:
             con.close()
-        hours = access.LOGIN_CODE_SECONDS // 3600
-        print(f"Log in: {access.login_url(base, code)} (works once, within {hours} h)", file=sys.stderr, flush=True)
+        minutes = access.LOGIN_CODE_SECONDS // 60
+        print(f"Log in: {access.login_url(base, code)} (works once, within {minutes} min)", file=sys.stderr, flush=True)
     if args.exit_with_parent:
         serving.exit_with_parent()
     signal.signal(signal.SIGTERM, stop_serving)

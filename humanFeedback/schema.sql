@@ -28,9 +28,11 @@ CREATE TABLE IF NOT EXISTS queries (
     left_segment_id NOT NULL CHECK (typeof(left_segment_id) IN ('integer', 'text')),
     right_segment_id NOT NULL CHECK (typeof(right_segment_id) IN ('integer', 'text')),
     created_at TEXT NOT NULL,
-    -- who the pair is shown to, until when (seconds since the epoch); both set or both NULL
+    -- who the pair is shown to, until when (seconds since the epoch); both set or both NULL.  lease_holder is whose lease
+    -- it is (access.Principal.holder: a browser's session, or the token's annotator name), lease_annotator the name given
     lease_annotator TEXT,
     lease_expires REAL,
+    lease_holder TEXT,
     CHECK (left_clip <> right_clip),
     CHECK ((lease_annotator IS NULL) = (lease_expires IS NULL)),
     UNIQUE (run_id, left_clip, right_clip)
@@ -44,7 +46,8 @@ CREATE TABLE IF NOT EXISTS labels (
     annotator TEXT NOT NULL CHECK (length(annotator) > 0),
     created_at TEXT NOT NULL,
     updated_at TEXT NOT NULL,
-    seq INTEGER NOT NULL UNIQUE CHECK (seq > 0)
+    seq INTEGER NOT NULL UNIQUE CHECK (seq > 0),
+    holder TEXT  -- who gave it (access.Principal.holder): only they may change or undo it
 );
 
 -- An undone label, kept so that a reader of answers?after= learns that it is gone.  label_id names a
@@ -101,9 +104,17 @@ CREATE TABLE IF NOT EXISTS session_sizes (
     PRIMARY KEY (run_id, session)
 );
 
--- One-time login codes (humanFeedback/access.py): the hash of each unused code and when it stops working. Using a code
--- deletes its row, so a code works once, also across restarts of the server.
-CREATE TABLE IF NOT EXISTS login_codes (
-    code_hash TEXT PRIMARY KEY,
-    expires_at REAL NOT NULL
+-- Invitations (humanFeedback/access.py): every login code, as the hash of its code, its role (the trainer's own link, or
+-- an annotator's) and until when it works unless used.  Using it sets used_at (a code works once, also across restarts
+-- of the server); revoking it sets revoked_at, which also logs out the browsers it let in.  Times in seconds since the
+-- epoch.
+CREATE TABLE IF NOT EXISTS invitations (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    role TEXT NOT NULL CHECK (role IN ('trainer', 'annotator')),
+    name TEXT NOT NULL DEFAULT '',
+    code_hash TEXT NOT NULL UNIQUE,
+    created_at REAL NOT NULL,
+    expires_at REAL NOT NULL,
+    used_at REAL,
+    revoked_at REAL
 );

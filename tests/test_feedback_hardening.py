@@ -226,7 +226,8 @@ def test_a_page_on_another_origin_cannot_label_or_undo(server, browser, tmp_path
     fresh, labelled = server.upload(run_id, "csrf", 2)
     # the victim's own label, by a name the text/plain form can reproduce exactly ("victim" + "=")
     assert server.post(f"/api/queries/{labelled}/label", json={"choice": "left", "annotator": "victim="}).status_code == 201
-    before = server.rows()
+    link = server.login_link()
+    before = server.rows() | {"invitations": None}  # the login link is used below
     log_start = len(server.log.read_text())
 
     (tmp_path / "attack.html").write_text(ATTACK_PAGE.format(base=server.base, fresh=fresh, labelled=labelled))
@@ -234,25 +235,28 @@ def test_a_page_on_another_origin_cannot_label_or_undo(server, browser, tmp_path
     context = browser.new_context()
     try:
         page = context.new_page()
-        page.goto(server.login_link())  # the victim is logged in: the attack is refused for what it is, not for lack of a login
+        page.goto(link)  # the victim is logged in: the attack is refused for what it is, not for lack of a login
         page.wait_for_url(server.base + "/")
         page.goto(f"{evil}/attack.html")
         page.wait_for_function("() => window.done >= 4", timeout=15_000)
         time.sleep(0.5)  # let the server finish what it got
-        assert server.rows() == before  # nothing created, nothing undone
+        assert server.rows() | {"invitations": None} == before  # nothing created, nothing undone
         log = server.log.read_text()[log_start:]
         # the attack did reach the server (so the test means something), and was refused
         assert log.count(f'"POST /api/queries/{fresh}/label HTTP/1.1" 403') == 2, log
         assert log.count(f'"POST /api/queries/{labelled}/undo HTTP/1.1" 403') == 2, log
 
-        # the same writes from the server's own origin (its page) still work
+        # the same writes from the server's own origin (its page) still work, on the pair it leases
         page.goto(server.base + "/")
         status = page.evaluate(
-            """async (id) => (await fetch(`/api/queries/${id}/label`, { method: "POST",
-                 headers: { "Content-Type": "application/json" }, body: JSON.stringify({ choice: "tie", annotator: "page" }) })).status""",
-            fresh,
+            """async (id) => {
+                 const leased = await (await fetch(`/api/next?annotator=page&run_id=${id}`)).json();
+                 return [leased.query_id, (await fetch(`/api/queries/${leased.query_id}/label`, { method: "POST",
+                   headers: { "Content-Type": "application/json" }, body: JSON.stringify({ choice: "tie", annotator: "page" }) })).status];
+               }""",
+            run_id,
         )
-        assert status == 201
+        assert status == [fresh, 201]
     finally:
         context.close()
         httpd.shutdown()

@@ -582,7 +582,9 @@ def test_a_second_tab_says_it_labels_as_the_same_person(server, browser):
         context.close()
 
 
-def test_invite_someone_makes_a_one_time_link_for_another_browser(server, browser):
+def test_invite_someone_makes_a_revocable_link_for_a_person_who_labels_and_nothing_else(server, browser):
+    """The trainer's browser invites "guest": the link works once within 15 minutes and is listed; the guest's browser
+    gets in with a name of its own and no way to invite anyone; revoked, the guest is logged out."""
     inviter = browser.new_context(viewport={"width": 1100, "height": 800})
     guest = browser.new_context(viewport={"width": 1100, "height": 800})
     try:
@@ -592,13 +594,31 @@ def test_invite_someone_makes_a_one_time_link_for_another_browser(server, browse
         page.click("#name-save")
         page.click("#invite")
         page.wait_for_selector("#invite-box", state="visible", timeout=10_000)
+        page.fill("#invite-name", "guest")
+        page.click("#invite-make")
+        page.wait_for_selector("#invite-made", state="visible", timeout=10_000)
         link = page.input_value("#invite-link")
-        assert link.startswith(f"{server['base']}/login?code=") and "within 24 h" in page.inner_text("#invite-box")
+        assert link.startswith(f"{server['base']}/login?code=") and "within 15 min" in page.inner_text("#invite-box")
+        row = page.locator("#invitations tbody tr", has_text="guest")
+        assert row.inner_text().split("\t")[1:4] == ["guest", "annotator", "waiting"]
+
         other = guest.new_page()
         other.goto(link)
         other.wait_for_url(server["base"] + "/")
         other.wait_for_selector("#annotator-input", state="visible", timeout=10_000)  # in, with a name of their own to give
+        other.fill("#annotator-input", "guest")
+        other.click("#name-save")
+        other.wait_for_selector("#who", state="visible", timeout=10_000)
+        assert other.locator("#invite").is_hidden()  # an invitee invites nobody
         assert requests.get(link, timeout=5).status_code == 403  # used
+
+        page.click("#invite")  # closed
+        page.click("#invite")  # and opened again: the list is read again
+        page.wait_for_function("() => document.querySelector('#invitations tbody').innerText.includes('in use')", timeout=10_000)
+        row.get_by_role("button", name="Revoke").click()
+        page.wait_for_function("() => document.querySelector('#invitations tbody').innerText.includes('revoked')", timeout=10_000)
+        other.reload()
+        assert "Log in to label clips" in other.content()  # logged out
     finally:
         inviter.close()
         guest.close()

@@ -917,7 +917,7 @@ def test_a_server_started_by_hand_makes_a_token_keeps_it_and_prints_a_login_link
         assert len(token) >= 32 and (data_dir / "token").stat().st_mode & 0o777 == 0o600
         assert lines[0] == f"Feedback server on {base}/; data in {data_dir}"
         assert lines[1] == f"Its token is in {data_dir / 'token'} (readable by you only): give it to a trainer as FEEDBACK_SERVER_TOKEN"
-        assert re.fullmatch(rf"Log in: {base}/login\?code=[\w-]+ \(works once, within 24 h\)", lines[2]) and token not in lines[2]
+        assert re.fullmatch(rf"Log in: {base}/login\?code=[\w-]+ \(works once, within 15 min\)", lines[2]) and token not in lines[2]
         link = lines[2].split()[2]
         assert requests.get(base + "/api/config", timeout=5).status_code == 401
         browser = requests.Session()
@@ -1230,10 +1230,13 @@ def test_real_server_opens_an_old_schema_database_and_serves_its_labels(tmp_path
     con = sqlite3.connect(data_dir / "feedback.sqlite3")
     now = con.execute("SELECT name, sql FROM sqlite_master ORDER BY name").fetchall()
     added = ("run_progress", "session_sizes", "sqlite_autoindex_session_sizes_1")  # the trainer's news
-    added += ("login_codes", "sqlite_autoindex_login_codes_1")
-    # its tables as they were, but for the kind of each evaluation clip (the old ones: reward checks)
-    assert [t for t in now if t[0] not in added and t[0] != "evaluations"] == [t for t in old_tables if t[0] != "evaluations"]
+    added += ("invitations", "sqlite_autoindex_invitations_1")
+    # its tables as they were, but for the kind of each evaluation clip (the old ones: reward checks) and who holds a
+    # lease or owns a label (the old ones: their annotator's name, as the token's are)
+    grown = ("evaluations", "queries", "labels")
+    assert [t for t in now if t[0] not in added and t[0] not in grown] == [t for t in old_tables if t[0] not in grown]
     assert con.execute("SELECT clip, kind FROM evaluations").fetchall() == [("o0a.mp4", "check")]
+    assert con.execute("SELECT annotator, holder FROM labels ORDER BY id").fetchall() == [("ann", "token:ann"), ("new", "token:new")]
     con.close()
 
 

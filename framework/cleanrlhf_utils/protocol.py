@@ -7,6 +7,8 @@ script (humanFeedback/static/js/api.js) calls the page-facing routes; tests/test
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import os
 import re
 from pathlib import Path
@@ -42,6 +44,14 @@ def write_token_file(path: Path, token: str) -> None:
     os.replace(partial, path)
 
 
+def server_proof(token: str, nonce: str) -> str:
+    """What a server holding `token` answers to the challenge `nonce` (GET SERVER_PROOF?nonce=): a trainer checks it
+    before it sends the token, so that a program squatting on the server's port never receives it."""
+    return hmac.new(token.encode(), f"cleanrlhf-feedback-server-proof|{nonce}".encode(), hashlib.sha256).hexdigest()
+
+
+NONCE_PATTERN = re.compile(r"[A-Za-z0-9_-]{16,128}")  # a challenge's nonce (its answer proves nothing for another)
+
 # What a trainer may report it is doing (POST RUN_PROGRESS's "phase").
 PHASES = ("training", "labelling", "updating", "finished", "stopped")
 
@@ -59,6 +69,9 @@ CLIP = "/clips/<int:run_id>/<path:name>"
 LOGIN = "/login"
 CONFIG = "/api/config"
 LOGIN_CODES = "/api/login-codes"
+INVITATIONS = "/api/invitations"
+INVITATION_REVOKE = "/api/invitations/<int:invitation_id>/revoke"
+SERVER_PROOF = "/api/proof"
 RUNS = "/api/runs"
 RUN = "/api/runs/<int:run_id>"
 RUN_STATUS = "/api/runs/<int:run_id>/status"

@@ -26,7 +26,10 @@ export const getRuns = () => call("/api/runs");
 export const getEvaluations = (runId) => call(`/api/runs/${encodeURIComponent(runId)}/evaluations`);
 export const getLatestEvaluation = (runId) => call(`/api/runs/${encodeURIComponent(runId)}/evaluations?latest=1`);
 export const getRunState = (runId) => call(`/api/runs/${encodeURIComponent(runId)}/progress`);
-export const postLoginCode = () => call("/api/login-codes", { method: "POST", body: {} });
+// The trainer's only (a browser logged in with the token or the trainer's login link): invitations for other people
+export const postInvitation = (name) => call("/api/invitations", { method: "POST", body: name ? { name } : {} });
+export const getInvitations = () => call("/api/invitations");
+export const postRevoke = (id) => call(`/api/invitations/${encodeURIComponent(id)}/revoke`, { method: "POST", body: {} });
 
 export function getNext({ annotator, runId, exclude }) {
   let url = "/api/next?annotator=" + encodeURIComponent(annotator);
@@ -38,4 +41,6 @@ export function getNext({ annotator, runId, exclude }) {
 export const postLabel = (queryId, choice, annotator) =>
   call(`/api/queries/${queryId}/label`, { method: "POST", body: { choice, annotator } });
 
-export const postUndo = (queryId, annotator) => call(`/api/queries/${queryId}/undo`, { method: "POST", body: { annotator } });
+// `release`: the pairs this browser gives up for the undone one (its next pair), so that it never holds more than its cap
+export const postUndo = (queryId, annotator, release) =>
+  call(`/api/queries/${queryId}/undo`, { method: "POST", body: { annotator, release } });

@@ -2,7 +2,7 @@
 // prefetch the next pair meanwhile; undo; the run panel, kept current; the two views, the name form, the other-tab
 // warning and invitations. Loaded by index.html as an ES module.
 import {
-  getConfig, getLatestEvaluation, getNext, getRunState, getRuns, postLabel, postLoginCode, postUndo,
+  getConfig, getInvitations, getLatestEvaluation, getNext, getRunState, getRuns, postInvitation, postLabel, postRevoke, postUndo,
 } from "./api.js";
 import { activePair, applySpeed, forgetPairs, hiddenPair, loadPair, pauseAll, showPair, startTogether } from "./player.js";
 import {
@@ -233,7 +233,10 @@ async function undoLast() {
   const saved = await last.done;
   if (!saved) { notice(`Pair #${last.query.query_id} had not been saved, nothing to undo.`); return; }
   try {
-    const res = await postUndo(last.query.query_id, state.annotator);
+    // the undone pair takes the place of the next one (already leased to this browser): the server frees that one
+    const release = state.prefetched ? [state.prefetched.query_id] : [];
+    const res = await postUndo(last.query.query_id, state.annotator, release);
+    if (state.prefetched && release.includes(state.prefetched.query_id)) state.prefetched = null;
     const q = res.query;
     q.fetchedAt = Date.now();
     if (state.current) {            // the pair on screen becomes the next one again
@@ -287,6 +290,7 @@ function route() {
 
 function applyConfig(cfg) {
   state.config = cfg;
+  $("#invite").classList.toggle("hidden", cfg.role !== "trainer");   // an invitee labels, and invites nobody
   for (const b of document.querySelectorAll("button.choice")) {
     b.classList.toggle("hidden", !cfg.choices.includes(b.dataset.choice));
   }
@@ -351,13 +355,43 @@ $("#change-name").addEventListener("click", () => {
   route();
 });
 window.addEventListener("hashchange", route);
-$("#invite").addEventListener("click", async () => {
+// Invitations (the trainer's browser only): a one-time login link for someone who may label and nothing else, and the
+// list of every invitation, each revocable (its link dies and the browser it let in is logged out).
+async function renderInvitations() {
+  const { invitations } = await getInvitations();
+  const rows = invitations.map((inv) => {
+    const row = document.createElement("tr");
+    row.dataset.invitation = String(inv.invitation_id);
+    for (const text of [`#${inv.invitation_id}`, inv.name || "—", inv.role, inv.state]) {
+      const cell = document.createElement("td");
+      cell.textContent = text;
+      row.append(cell);
+    }
+    const cell = document.createElement("td");
+    if (inv.state === "waiting" || inv.state === "in use") {
+      const revoke = document.createElement("button");
+      revoke.type = "button";
+      revoke.textContent = "Revoke";
+      revoke.addEventListener("click", () => postRevoke(inv.invitation_id).then(renderInvitations).catch((e) => notice(e.message, true)));
+      cell.append(revoke);
+    }
+    row.append(cell);
+    return row;
+  });
+  $("#invitations tbody").replaceChildren(...rows);
+}
+$("#invite").addEventListener("click", () => {
+  $("#invite-box").classList.toggle("hidden");
+  if (!$("#invite-box").classList.contains("hidden")) renderInvitations().catch((e) => notice(e.message, true));
+});
+$("#invite-make").addEventListener("click", async () => {
   try {
-    const { url, expires_seconds: seconds } = await postLoginCode();
+    const { url, expires_seconds: seconds } = await postInvitation($("#invite-name").value.trim());
     $("#invite-link").value = location.origin + url;
-    $("#invite-hours").textContent = String(seconds / 3600);
-    $("#invite-box").classList.remove("hidden");
+    $("#invite-minutes").textContent = String(Math.round(seconds / 60));
+    $("#invite-made").classList.remove("hidden");
     $("#invite-link").select();
+    await renderInvitations();
   } catch (e) { notice(e.message, true); }
 });
 
