@@ -53,6 +53,8 @@ def error_reply(error: Error) -> tuple[int, str]:
     unsupported Transfer-Encoding is the client's to change)."""
     if isinstance(error, BodyTooLarge):
         return 413, f"{error.body}; send a smaller body."
+    if error.code == 413:
+        return 413, f"The request body is too large ({error.body}); send a smaller body."
     if error.code == 431:
         return 431, f"The request's headers are too large ({error.body}); send fewer or shorter headers."
     status = 400 if error.code >= 500 else error.code
@@ -187,7 +189,7 @@ def make_server(app, access: Access, host: str, port: int, threads: int, max_bod
         host=host,
         port=port,
         threads=threads,
-        max_request_body_size=max_body_bytes + 1,  # a chunked body is held to its route's limit by the parser
+        max_request_body_size=2 * max_body_bytes + 1,  # a backstop: the parser holds every body to its route's limit first
         connection_limit=CONNECTION_LIMIT + 1,  # waitress's own limit never applies: GuardedListener makes room first
         channel_timeout=IDLE_SECONDS,
         cleanup_interval=CLEANUP_SECONDS,

@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import json
 import re
+import select
 import socket
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from test_feedback_hardening import Server, fake_mp4
+
+from humanFeedback.access import MAX_JSON_BYTES
 
 requests = pytest.importorskip("requests", reason="requests is missing (pip install requests)")
 
@@ -374,3 +378,95 @@ def test_idle_and_trickling_sockets_keep_nobody_waiting(tmp_path):
         log = s.stop()
     assert max(seconds) <= 2.0, seconds
     assert "Traceback" not in log, log[-2000:]
+
+
+def chunked_until_answered(port: int, path: str, headers: dict[str, str], total: int) -> tuple[int, bytes, int]:
+    """Sends a chunked body of up to `total` bytes in 64 KiB chunks, looking for an answer after each; returns the
+    answer's status and body and how many body bytes were sent before it came."""
+    head = request(port, "POST", path, headers | {"Transfer-Encoding": "chunked"})
+    chunk = b"%x\r\n" % (64 * 1024) + b" " * (64 * 1024) + b"\r\n"
+    sent = 0
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 * 1024)
+        sock.sendall(head)
+        answer = b""
+        while sent < total:
+            readable, _, _ = select.select([sock], [], [], 0.01)
+            if readable:
+                break
+            try:
+                sock.sendall(chunk)
+            except (BrokenPipeError, ConnectionResetError):
+                break
+            sent += 64 * 1024
+        else:
+            sock.sendall(b"0\r\n\r\n")
+        try:
+            while data := sock.recv(65536):
+                answer += data
+        except ConnectionResetError:
+            pass
+    status = int(answer.split(b" ", 2)[1])
+    return status, answer.partition(b"\r\n\r\n")[2], sent
+
+
+def test_a_chunked_body_is_cut_off_at_its_routes_limit_while_it_is_read(tmp_path):
+    """With the token, a body sent in chunks (no Content-Length to judge first) is answered 413 with a JSON reason as
+    soon as it passes its route's limit (80 KiB for a JSON route, --max-upload-mb for an upload) or announces a chunk
+    past it: of 15 MiB, a JSON route reads no more than a few of its limits, and nothing is stored."""
+    s = Server(tmp_path)  # uploads take 16 MiB: the JSON routes' 80 KiB must hold on their own
+    (tmp_path / "small").mkdir()
+    small = Server(tmp_path / "small", "--max-upload-mb", "1")
+    try:
+        run_id, small_run = s.run("chunks"), small.run("chunks")
+        before = s.rows()
+        auth = s.headers | {"Content-Type": "application/json"}
+        for server, path, headers, limit, most in (
+            (s, "/api/runs", auth, MAX_JSON_BYTES, 0.5 * MIB),
+            (s, f"/api/runs/{run_id}/progress", auth, MAX_JSON_BYTES, 0.5 * MIB),
+            (small, f"/api/runs/{small_run}/queries", small.headers | {"Content-Type": "multipart/form-data; boundary=x"}, MIB, 2 * MIB),
+        ):
+            status, body, sent = chunked_until_answered(server.port, path, headers, 15 * MIB)
+            assert status == 413 and str(limit) in json.loads(body)["error"], (path, status, body)
+            assert sent <= most, (path, sent)  # answered while the body came, not after 15 MiB
+        # one chunk that announces 2^64 bytes: answered at once
+        chunked = auth | {"Transfer-Encoding": "chunked"}
+        status, body = exchange(s.port, request(s.port, "POST", "/api/runs", chunked, b"f" * 16 + b"\r\nab"))
+        assert status == 413, body
+        # a chunked body within the limit is read as usual
+        run = json.dumps({"name": "chunked-ok"}).encode()
+        status, body = exchange(s.port, request(s.port, "POST", "/api/runs", chunked, b"%x\r\n%s\r\n0\r\n\r\n" % (len(run), run)))
+        assert status == 201, body
+        unchanged = {k: v for k, v in s.rows().items() if k not in ("runs", "sqlite_sequence")}
+        assert unchanged == {k: v for k, v in before.items() if k not in ("runs", "sqlite_sequence")}
+    finally:
+        log = s.stop() + small.stop()
+    assert "Traceback" not in log
+
+
+def test_clips_no_row_names_are_removed_at_the_next_start(tmp_path):
+    """What a server killed between writing an upload's clips and committing its rows leaves (clips no query or
+    evaluation names, in a run's folder or in the folder of a run never created) is removed when it starts again;
+    every clip a row names, and anything outside the runs' folders, is kept."""
+    s = Server(tmp_path)
+    run_id = s.run("orphans")
+    s.upload(run_id, "kept", 2)
+    files = [("clips", ("eval0.mp4", fake_mp4("eval0"), "video/mp4"))]
+    data = {"evaluations": json.dumps([{"clip": "eval0.mp4", "predicted_return": 1.0, "step": 5}])}
+    assert s.post(f"/api/runs/{run_id}/evaluations", data=data, files=files).status_code == 201
+    s.proc.kill()  # as if killed mid-upload
+    s.proc.wait(timeout=10)
+    clips = s.data_dir / "clips"
+    kept = sorted(p.relative_to(clips) for p in clips.rglob("*.mp4"))
+    orphans = [clips / str(run_id) / "s3_q0_left.mp4", clips / str(run_id) / "s3_q0_right.mp4", clips / "77" / "never.mp4"]
+    for orphan in orphans:
+        orphan.parent.mkdir(exist_ok=True)
+        orphan.write_bytes(fake_mp4(orphan.name))
+    (clips / "notes").mkdir()
+    (clips / "notes" / "mine.mp4").write_bytes(b"not the server's")
+    s = Server(tmp_path)  # the same data dir
+    try:
+        assert sorted(p.relative_to(clips) for p in clips.rglob("*.mp4")) == sorted([*kept, Path("notes/mine.mp4")])
+        assert requests.get(f"{s.base}/clips/{run_id}/kept0a.mp4", headers=s.headers, timeout=5).status_code == 200
+    finally:
+        s.stop()
