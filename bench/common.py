@@ -265,16 +265,13 @@ def inert(key: str, settings: dict) -> bool:
 
 def run_settings(script: str, flags: list[str]) -> tuple[dict, set[str]]:
     """(every setting `script` reads from `flags`, its defaults included, as args.json records it; the names the flags
-    set): the script's own parse of the command line, plus what its objective sets (apply_objective)."""
+    set): the script's own parse of the command line, which brings in what its objective needs."""
     from cleanrlhf_utils.arguments import given_fields
     from cleanrlhf_utils.cli import command_line_args
-    from cleanrlhf_utils.objectives import apply_objective
     from cleanrlhf_utils.tracking import public_settings
 
     args_class = script_module(script).Args
     parsed = command_line_args(args_class, flags)
-    for field in ("teacher_objective", "reward_objective"):  # the settings the run sets for its objective, as it does
-        apply_objective(parsed, flags, field)
     return json.loads(json.dumps(public_settings(parsed), default=str)), given_fields(flags, args_class)
 
 

@@ -52,7 +52,7 @@ import numpy as np
 from common import REPO, free_port, machine_info, print_table, results_path, write_json
 
 import sac_rlhf
-from cleanrlhf_utils.envs import SegmentRenderer, get_physics_state, segment_frames, set_physics_state, write_mp4
+from cleanrlhf_utils.envs import SegmentRenderer, check_env_id, get_physics_state, segment_frames, set_physics_state, write_mp4
 from cleanrlhf_utils.feedback import CHOICE_LABELS, FeedbackClient, HumanTeacher
 from cleanrlhf_utils.protocol import CHOICES
 
@@ -198,7 +198,7 @@ class NaiveRenderer:
     """The naive way: gym.make with rgb_array at its default 480x480, MuJoCo's default shadow map."""
 
     def __init__(self, env_id: str):
-        sac_rlhf.check_env_id(env_id)
+        check_env_id(env_id)
         kwargs = {"render_kwargs": {"width": 480, "height": 480, "camera_id": 0}} if env_id.startswith("dm_control/") else {}
         self.env = gym.make(env_id, render_mode="rgb_array", **kwargs)
         self.env.reset(seed=0)

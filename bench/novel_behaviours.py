@@ -103,6 +103,13 @@ def last_evaluations(workdir: Path, run_name: str, measures: tuple[str, ...] = (
     return result
 
 
+def preference_script(preference_flags: str) -> str:
+    """The script of the preference runs: PEBBLE (sac_rlhf.py), or the variant that starts SAC afresh after a session
+    that changed the reward a lot (sac_rlhf_agent_reset.py) where the flags set its --reset-agent-below-correlation."""
+    flags = [token.split("=", 1)[0] for token in shlex.split(preference_flags)]
+    return "sac_rlhf_agent_reset.py" if "--reset-agent-below-correlation" in flags else "sac_rlhf.py"
+
+
 def start_unless_finished(args, jobs: list, script: str, flags: list[str], run_name: str) -> Path:
     """The run directory of `script` with `flags`: with --reuse-finished one that finished in --workdir; with
     --resume-unfinished one that stopped before its end, added to `jobs` to continue from its last checkpoint; else a
@@ -128,7 +135,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--feedback-frequency", type=int, default=500)
     parser.add_argument("--queries-per-session", type=int, default=10)
     parser.add_argument("--evaluation-frequency", type=int, default=1000)
-    parser.add_argument("--preference-flags", default="", help="more sac_rlhf.py flags for the preference runs, one string")
+    parser.add_argument(
+        "--preference-flags",
+        default="",
+        help="more sac_rlhf.py flags for the preference runs, one string (with --reset-agent-below-correlation the runs "
+        "are sac_rlhf_agent_reset.py's)",
+    )
     parser.add_argument(
         "--env-flags",
         default="",
@@ -214,7 +226,8 @@ def main() -> None:
                 "--evaluation-episodes", str(EVALUATION_EPISODES), "--checkpoint-frequency", str(args.checkpoint_frequency),
                 "--torch-threads", "1", "--no-cuda", *shlex.split(args.preference_flags), *shlex.split(args.env_flags),
             ]  # fmt: skip
-            runs.append((objective_name, seed, start_unless_finished(args, jobs, "sac_rlhf.py", flags, run_name)))
+            script = preference_script(args.preference_flags)
+            runs.append((objective_name, seed, start_unless_finished(args, jobs, script, flags, run_name)))
             if args.behaviour == "windmill":
                 continue  # its ceiling is scripted: full torque the preferred way
             ceiling_flags = [

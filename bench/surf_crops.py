@@ -22,11 +22,12 @@ from common import machine_info, print_table, results_path, write_json
 import sac_rlhf
 from cleanrlhf_utils.buffers import ReplayBuffer
 
+CUT_OUT = sac_rlhf.crop_segments
 
-def masked_crops(segments, masks, min_offset, max_offset):
-    """The crops as they were applied before: the same draws, folded into the mask, nothing cut out."""
-    crops = sac_rlhf.temporal_crop_masks(masks.shape[:-1], masks.shape[-1], min_offset, max_offset).to(masks.device)
-    return segments, masks * crops
+
+def masked_crops(segments, masks, min_offset, max_offset, cut_out=True):
+    """The crops folded into the mask, nothing cut out: the same draws, every step of the segment computed."""
+    return CUT_OUT(segments, masks, min_offset, max_offset, cut_out=False)
 
 
 def fit_cpu_seconds(crop, args, rb, prefs, seed: int) -> tuple[float, float]:

@@ -49,6 +49,7 @@ SCRIPTS = {
     "sac_rlhf": "framework/sac_rlhf.py",
     "sac_rlhf_rime": "framework/sac_rlhf_rime.py",
     "sac_rlhf_mistake_aware": "framework/sac_rlhf_mistake_aware.py",
+    "sac_rlhf_agent_reset": "framework/sac_rlhf_agent_reset.py",
     "pref_ppo": "framework/pref_ppo.py",
     "sac": "framework/sac.py",
     "ppo": "framework/ppo.py",

@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import ClassVar
 
 from cleanrlhf_utils.arguments import refuse_unknown_flags
 
@@ -22,21 +23,38 @@ import torch.nn as nn
 from cleanrlhf_utils import envs as cleanrlhf_envs
 from cleanrlhf_utils.checkpoints import checkpoint_file, load_checkpoint, save_checkpoint
 from cleanrlhf_utils.cli import cli
-from cleanrlhf_utils.envs import autoreset_pending, check_can_render, check_env_id, get_physics_state
+from cleanrlhf_utils.envs import autoreset_pending, check_env_id, get_physics_state
 from cleanrlhf_utils.errors import ConfigError, check_ranges, need
 from cleanrlhf_utils.evaluate import evaluate_and_log, success_summary
 from cleanrlhf_utils.objectives import episode_end
 from cleanrlhf_utils.run import RunArgs
-from cleanrlhf_utils.tracking import announce_run, default_run_name, progress_bar, start_logging, stop_logging, write_summary
-from cleanrlhf_utils.training import EpisodeTracker, NormalizedPolicy, ObservationNormalizer, ReturnNormalizer, crossed, seed_everything
+from cleanrlhf_utils.tracking import (
+    announce_run,
+    default_run_name,
+    progress_bar,
+    start_logging,
+    stop_logging,
+    write_summary,
+)
+from cleanrlhf_utils.training import (
+    EpisodeTracker,
+    NormalizedPolicy,
+    ObservationNormalizer,
+    ReturnNormalizer,
+    crossed,
+    seed_everything,
+)
 
 
 @dataclass
 class PPOArgs(RunArgs):
-    """Settings shared with the true-reward baseline ppo.py: PPO and its environment."""
+    """PPO and the environments it acts in (shared with the true-reward baseline ppo.py)."""
+
+    help_group: ClassVar[str] = "PPO"
 
     env_id: str = "Hopper-v5"
-    """Gymnasium MuJoCo, dm_control/<domain>-<task>-v0 or classic control (CartPole-v1, ...) (docs/reference/working-envs.md)"""
+    """Gymnasium MuJoCo, dm_control/<domain>-<task>-v0 or classic control (CartPole-v1, ...)
+    (docs/reference/working-envs.md; python framework/list_envs.py checks one)"""
     terminate_when_unhealthy: bool = True
     """end an episode when the robot falls (Hopper, Walker2d, Ant, Humanoid)"""
     terminate_when_tilted: bool = True
@@ -82,50 +100,63 @@ class PPOArgs(RunArgs):
     critic_hidden_layers: int = 2
     """number of hidden layers of the critic"""
     normalize_obs: bool = True
-    """normalise the policy's observations by their running mean and std (saved in checkpoints, applied by evaluation)"""
+    """normalise the policy's observations by their running mean and std (saved in checkpoints, applied by
+    evaluation)"""
     normalize_reward: bool = True
     """divide the rewards PPO learns from by the running std of the discounted return (CleanRL's NormalizeReward)"""
 
 
 PPO_RANGES = {
-    "total_timesteps": "> 0", "num_envs": ">= 1", "num_steps": ">= 1", "learning_rate": "> 0", "num_minibatches": ">= 1",
-    "update_epochs": ">= 1", "gamma": "in [0, 1]", "gae_lambda": "in [0, 1]", "clip_coef": "> 0", "max_grad_norm": "> 0",
-    "actor_hidden_layers": ">= 0", "critic_hidden_layers": ">= 0", "evaluation_frequency": ">= 0", "evaluation_episodes": ">= 1",
-}  # fmt: skip
+    "total_timesteps": "> 0",
+    "num_envs": ">= 1",
+    "num_steps": ">= 1",
+    "learning_rate": "> 0",
+    "num_minibatches": ">= 1",
+    "update_epochs": ">= 1",
+    "gamma": "in [0, 1]",
+    "gae_lambda": "in [0, 1]",
+    "clip_coef": "> 0",
+    "max_grad_norm": "> 0",
+    "actor_hidden_layers": ">= 0",
+    "critic_hidden_layers": ">= 0",
+    "evaluation_frequency": ">= 0",
+    "evaluation_episodes": ">= 1",
+}
 
 
 def validate_ppo_args(args: PPOArgs) -> None:
     check_ranges(args, PPO_RANGES)
+    total, rollout = args.total_timesteps, args.num_envs * args.num_steps
     need(
-        args.total_timesteps >= args.num_envs * args.num_steps,
-        f"--total-timesteps ({args.total_timesteps}) must hold at least one rollout of --num-envs x --num-steps = {args.num_envs * args.num_steps} steps",
+        args.total_timesteps >= rollout,
+        f"--total-timesteps ({total}) must hold at least one rollout: --num-envs x --num-steps = {rollout}",
     )
     need(args.target_kl is None or args.target_kl > 0, f"--target-kl must be > 0, got {args.target_kl}")
-    check_env_id(args.env_id)
+    cleanrlhf_envs.check_env_id(args.env_id)
     if args.capture_video:
-        check_can_render(args.env_id, "--capture-video")
+        cleanrlhf_envs.check_can_render(args.env_id, "--capture-video")
 
 
 def check_ppo_actions(env_id: str, space: gym.Space) -> None:
-    need(
-        isinstance(space, (gym.spaces.Box, gym.spaces.Discrete)),
-        f"--env-id {env_id} has a {type(space).__name__} action space; PPO here needs a continuous (Box) or Discrete one",
-    )
+    kind = type(space).__name__
+    needed = "PPO here needs a continuous (Box) or Discrete one"
+    supported = isinstance(space, (gym.spaces.Box, gym.spaces.Discrete))
+    need(supported, f"--env-id {env_id} has a {kind} action space; {needed}")
 
 
-def make_env(env_id: str, seed: int, render_mode=None, width=320, height=240, terminate_when_unhealthy=True, task_seed=None, **settings):
-    """cleanrlhf_utils' environment, refused unless PPO can act in it (task_seed: the Meta-World layout, default seed's;
-    settings: terminate_when_tilted, ends_episode)."""
-    return cleanrlhf_envs.make_env(
-        env_id, seed, render_mode, width, height, terminate_when_unhealthy, check_ppo_actions, task_seed, **settings
-    )
+def make_env(env_id: str, seed: int, render_mode=None, width=320, height=240, **settings):
+    """cleanrlhf_utils' environment, refused unless PPO can act in it (settings: terminate_when_unhealthy,
+    terminate_when_tilted, ends_episode, task_seed: the Meta-World layout, default seed's)."""
+    settings["check_actions"] = check_ppo_actions
+    return cleanrlhf_envs.make_env(env_id, seed, render_mode, width, height, **settings)
 
 
 def make_vector_env(args: PPOArgs) -> gym.vector.SyncVectorEnv:
     """num_envs copies with Gymnasium's next-step autoreset, all on the Meta-World layout of the run's seed."""
-    settings = (args.video_width, args.video_height, args.terminate_when_unhealthy, args.seed)
-    ends = {"terminate_when_tilted": args.terminate_when_tilted, "ends_episode": episode_end(args)}
-    copies = [make_env(args.env_id, args.seed + i, None, *settings, **ends) for i in range(args.num_envs)]
+    ends = {"terminate_when_unhealthy": args.terminate_when_unhealthy, "ends_episode": episode_end(args)}
+    ends |= {"terminate_when_tilted": args.terminate_when_tilted, "task_seed": args.seed}
+    size = (args.video_width, args.video_height)
+    copies = [make_env(args.env_id, args.seed + i, None, *size, **ends) for i in range(args.num_envs)]
     return gym.vector.SyncVectorEnv(copies, autoreset_mode=gym.vector.AutoresetMode.NEXT_STEP)
 
 
@@ -153,7 +184,13 @@ class Agent(nn.Module):
     (actions are clipped to the bounds when they are sent to the env); Discrete actions: a categorical."""
 
     def __init__(
-        self, obs_dim: int, action_space, actor_hidden_dim=64, actor_hidden_layers=2, critic_hidden_dim=64, critic_hidden_layers=2
+        self,
+        obs_dim: int,
+        action_space,
+        actor_hidden_dim=64,
+        actor_hidden_layers=2,
+        critic_hidden_dim=64,
+        critic_hidden_layers=2,
     ):
         super().__init__()
         self.discrete = isinstance(action_space, gym.spaces.Discrete)
@@ -233,7 +270,8 @@ def load_policy(path: str | Path, env_id: str | None = None) -> tuple[Normalized
     env = make_env(env_id, 0)()
     obs_dim, space = int(np.prod(env.observation_space.shape)), env.action_space
     env.close()
-    sizes = [train_args[name] for name in ("actor_hidden_dim", "actor_hidden_layers", "critic_hidden_dim", "critic_hidden_layers")]
+    names = ("actor_hidden_dim", "actor_hidden_layers", "critic_hidden_dim", "critic_hidden_layers")
+    sizes = [train_args[name] for name in names]
     agent = Agent(obs_dim, space, *sizes)
     normalizer = ObservationNormalizer(obs_dim, enabled=train_args["normalize_obs"])
     try:
@@ -250,7 +288,7 @@ class RolloutBuffer:
     out of the replay buffer, never point into this). `valid` is False on the steps where Gymnasium's next-step
     autoreset only resets an env: they are not transitions and nothing is learned from them."""
 
-    def __init__(self, num_steps: int, num_envs: int, obs_dim: int, action_shape: tuple, reward_action_dim: int, state_dim: int):
+    def __init__(self, num_steps: int, num_envs: int, obs_dim: int, action_shape: tuple, action_input_dim, state_dim):
         shape = (num_steps, num_envs)
         self.num_steps, self.num_envs = num_steps, num_envs
         self.obs = np.zeros((*shape, obs_dim), dtype=np.float32)  # normalised: what the policy saw
@@ -258,7 +296,7 @@ class RolloutBuffer:
         self.raw_obs = np.zeros((*shape, obs_dim), dtype=np.float32)  # the reward model's and the replay buffer's
         self.raw_next_obs = np.zeros((*shape, obs_dim), dtype=np.float32)  # at an episode end: the final observation
         self.actions = np.zeros((*shape, *action_shape), dtype=np.float32)  # as sampled (Box: before clipping)
-        self.reward_actions = np.zeros((*shape, reward_action_dim), dtype=np.float32)  # as sent (clipped / one-hot)
+        self.reward_actions = np.zeros((*shape, action_input_dim), dtype=np.float32)  # as sent (clipped / one-hot)
         self.logprobs = np.zeros(shape, dtype=np.float32)
         self.true_rewards = np.zeros(shape, dtype=np.float32)  # the environment's, never normalised
         self.learned_rewards = np.zeros(shape, dtype=np.float32)  # ensemble mean
@@ -275,9 +313,7 @@ class RolloutBuffer:
         return np.concatenate([self.raw_obs, self.reward_actions], axis=-1)
 
 
-def collect_rollout(
-    envs, agent: Agent, obs_rms: ObservationNormalizer, rollout: RolloutBuffer, obs: np.ndarray, episodes: EpisodeTracker, device
-) -> tuple:
+def collect_rollout(envs, agent: Agent, obs_rms: ObservationNormalizer, rollout: RolloutBuffer, obs, episodes, device):
     """Runs the policy for num_steps vector steps from `obs`, filling `rollout`. Returns the observation to
     continue from and the episodes that ended, as (step within the rollout, env, return, length)."""
     action_space = envs.single_action_space
@@ -295,7 +331,8 @@ def collect_rollout(
         action = action.cpu().numpy()
         sent = env_actions(action, action_space)
         next_obs, rewards, terminated, truncated, _ = envs.step(sent)
-        rollout.obs[t], rollout.raw_obs[t], rollout.actions[t], rollout.logprobs[t] = policy_obs, obs, action, logprob.cpu().numpy()
+        rollout.obs[t], rollout.raw_obs[t], rollout.actions[t] = policy_obs, obs, action
+        rollout.logprobs[t] = logprob.cpu().numpy()
         rollout.reward_actions[t] = encode_actions(sent, action_space)
         rollout.next_obs[t], rollout.raw_next_obs[t] = obs_rms.normalize(next_obs), next_obs
         rollout.true_rewards[t] = rewards
@@ -310,10 +347,10 @@ def collect_rollout(
 
 def rollout_values(agent: Agent, rollout: RolloutBuffer, device) -> tuple[np.ndarray, np.ndarray]:
     """V(obs) and V(next_obs) of every step, (T, N) each, with the current critic."""
-    shape = rollout.valid.shape
+    shape, width = rollout.valid.shape, rollout.obs.shape[-1]
     with torch.no_grad():
-        values = agent.get_value(torch.as_tensor(rollout.obs.reshape(-1, rollout.obs.shape[-1]), device=device))
-        next_values = agent.get_value(torch.as_tensor(rollout.next_obs.reshape(-1, rollout.obs.shape[-1]), device=device))
+        values = agent.get_value(torch.as_tensor(rollout.obs.reshape(-1, width), device=device))
+        next_values = agent.get_value(torch.as_tensor(rollout.next_obs.reshape(-1, width), device=device))
     return values.cpu().numpy().reshape(shape), next_values.cpu().numpy().reshape(shape)
 
 
@@ -338,7 +375,7 @@ def compute_gae(
     return advantages, advantages + values
 
 
-def ppo_update(agent: Agent, optimizer: torch.optim.Optimizer, batch: dict, args: PPOArgs, rng: np.random.Generator) -> dict:
+def ppo_update(agent: Agent, optimizer: torch.optim.Optimizer, batch: dict, args: PPOArgs, rng) -> dict:
     """CleanRL's clipped PPO update. batch: obs, actions, logprobs, advantages, returns, values (tensors over the
     valid steps of a rollout); minibatches of ceil(size / num_minibatches) steps, shuffled with `rng`."""
     size = len(batch["obs"])
@@ -389,27 +426,24 @@ def ppo_update(agent: Agent, optimizer: torch.optim.Optimizer, batch: dict, args
     }
 
 
-def train_on_rollout(
-    agent: Agent, optimizer, rollout: RolloutBuffer, rewards: np.ndarray, args: PPOArgs, rng: np.random.Generator, device
-) -> dict:
+def train_on_rollout(agent: Agent, optimizer, rollout: RolloutBuffer, rewards, args: PPOArgs, rng, device) -> dict:
     """Values, GAE on `rewards` (T, N), and the PPO update on the rollout's valid steps."""
     values, next_values = rollout_values(agent, rollout, device)
     advantages, returns = compute_gae(
         rewards, values, next_values, rollout.terminated, rollout.truncated, rollout.valid, args.gamma, args.gae_lambda
     )
     valid = rollout.valid
-    batch = {
-        "obs": rollout.obs[valid], "actions": rollout.actions[valid], "logprobs": rollout.logprobs[valid],
-        "advantages": advantages[valid], "returns": returns[valid], "values": values[valid],
-    }  # fmt: skip
-    batch = {name: torch.as_tensor(value, device=device) for name, value in batch.items()}
+    batch = {"obs": rollout.obs, "actions": rollout.actions, "logprobs": rollout.logprobs}
+    batch |= {"advantages": advantages, "returns": returns, "values": values}
+    batch = {name: torch.as_tensor(value[valid], device=device) for name, value in batch.items()}
     if agent.discrete:
         batch["actions"] = batch["actions"].long()
     return ppo_update(agent, optimizer, batch, args, rng)
 
 
 def set_learning_rate(optimizer: torch.optim.Optimizer, args: PPOArgs, iteration: int, num_iterations: int) -> float:
-    """CleanRL's linear annealing: iteration 1 (of num_iterations) uses the full rate, the last 1/num_iterations of it."""
+    """CleanRL's linear annealing: iteration 1 (of num_iterations) uses the full rate, the last 1/num_iterations of
+    it."""
     lr = args.learning_rate * (1.0 - (iteration - 1.0) / num_iterations) if args.anneal_lr else args.learning_rate
     optimizer.param_groups[0]["lr"] = lr
     return lr
@@ -419,13 +453,18 @@ def set_learning_rate(optimizer: torch.optim.Optimizer, args: PPOArgs, iteration
 class Args(PPOArgs):
     """PPO on the environment's true reward (the baseline of pref_ppo.py)."""
 
+    help_group: ClassVar[str] = "PPO baseline"
+    first_flags: ClassVar[str] = "env_id total_timesteps seed capture_video track run_name"
+    """the flags a newcomer sets, shown first by --help"""
+
     exp_name: str = "ppo"
     """the name of this experiment (part of the run name)"""
 
 
 def main(args: Args, on_evaluation: Callable[[int, float], None] | None = None) -> dict:
     """Train and return the run's summary. `on_evaluation(step, mean_return)`, if given, is called after every
-    evaluation (a sweep uses it to report intermediate results and prune hopeless trials: what it raises ends the run)."""
+    evaluation (a sweep uses it to report intermediate results and prune hopeless trials: what it raises ends the
+    run)."""
     validate_ppo_args(args)
     envs = make_vector_env(args)
     run_name = args.run_name or default_run_name(args)
@@ -438,12 +477,11 @@ def main(args: Args, on_evaluation: Callable[[int, float], None] | None = None) 
         obs, _ = envs.reset(seed=args.seed)
         obs_dim = int(np.prod(envs.single_observation_space.shape))
         action_space = envs.single_action_space
-        agent = Agent(
-            obs_dim, action_space, args.actor_hidden_dim, args.actor_hidden_layers, args.critic_hidden_dim, args.critic_hidden_layers
-        )
-        agent = agent.to(device)
-        optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5, fused=True)  # one kernel: 4x faster steps
-        rollout = RolloutBuffer(args.num_steps, args.num_envs, obs_dim, action_space.shape, reward_action_dim(action_space), 0)
+        hidden = (args.actor_hidden_dim, args.actor_hidden_layers, args.critic_hidden_dim, args.critic_hidden_layers)
+        agent = Agent(obs_dim, action_space, *hidden).to(device)
+        optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5, fused=True)  # one kernel
+        action_input_dim = reward_action_dim(action_space)
+        rollout = RolloutBuffer(args.num_steps, args.num_envs, obs_dim, action_space.shape, action_input_dim, 0)
         obs_rms = ObservationNormalizer(obs_dim, enabled=args.normalize_obs)
         return_rms = ReturnNormalizer(args.num_envs, args.gamma, enabled=args.normalize_reward)
         episodes = EpisodeTracker(args.num_envs)
@@ -474,12 +512,14 @@ def main(args: Args, on_evaluation: Callable[[int, float], None] | None = None) 
                 progress.set_postfix(ret=f"{last_return:.0f}", eval=f"{last_eval:.0f}", refresh=False)
                 progress.update(global_step - progress.n)
             if crossed(args.evaluation_frequency, global_step - batch_size, global_step) and iteration < num_iterations:
-                last_eval = evaluate_and_log(NormalizedPolicy(agent, obs_rms), args, writer, video_dir, device, global_step, on_evaluation)
+                policy = NormalizedPolicy(agent, obs_rms)
+                last_eval = evaluate_and_log(policy, args, writer, video_dir, device, global_step, on_evaluation)
 
         if progress is not None:
             progress.close()
         wall = time.time() - start_time
-        last_eval = evaluate_and_log(NormalizedPolicy(agent, obs_rms), args, writer, video_dir, device, global_step, on_evaluation)
+        policy = NormalizedPolicy(agent, obs_rms)
+        last_eval = evaluate_and_log(policy, args, writer, video_dir, device, global_step, on_evaluation)
         state = {
             "algorithm": "ppo",
             "run_name": run_name,

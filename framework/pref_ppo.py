@@ -15,7 +15,7 @@ import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 from cleanrlhf_utils.arguments import refuse_unknown_flags
 
@@ -33,7 +33,7 @@ from cleanrlhf_utils.buffers import ReplayBuffer
 from cleanrlhf_utils.checkpoints import CheckpointArgs, validate_checkpoint_args
 from cleanrlhf_utils.cli import cli
 from cleanrlhf_utils.diagnostics import reward_diagnostics
-from cleanrlhf_utils.envs import autoreset_pending, check_can_render, check_env_id, get_physics_state, physics_state_size
+from cleanrlhf_utils.envs import autoreset_pending, get_physics_state, physics_state_size
 from cleanrlhf_utils.errors import ConfigError, check_ranges, need  # noqa: F401 (callers catch pref_ppo.ConfigError)
 from cleanrlhf_utils.feedback import (
     FeedbackArgs,
@@ -46,10 +46,10 @@ from cleanrlhf_utils.feedback import (
     validate_feedback_args,
 )
 from cleanrlhf_utils.networks import ensemble_mlp
-from cleanrlhf_utils.objectives import apply_objective, episode_end, load_objective
+from cleanrlhf_utils.objectives import check_objective_settings, episode_end, load_objective
 from cleanrlhf_utils.presets import PresetArgs
 from cleanrlhf_utils.run import IterationStart, Run, RunArgs
-from cleanrlhf_utils.stopping import stop_here_if_requested
+from cleanrlhf_utils.speed import kth_nearest_distance
 from cleanrlhf_utils.tracking import log_feedback_session, log_update
 from cleanrlhf_utils.training import (
     EpisodeTracker,
@@ -64,10 +64,13 @@ from cleanrlhf_utils.training import (
 
 @dataclass
 class PPOArgs(RunArgs):
-    """Settings shared with the true-reward baseline ppo.py: PPO and its environment."""
+    """PPO and the environments it acts in (shared with the true-reward baseline ppo.py)."""
+
+    help_group: ClassVar[str] = "PPO"
 
     env_id: str = "Hopper-v5"
-    """Gymnasium MuJoCo, dm_control/<domain>-<task>-v0 or classic control (CartPole-v1, ...) (docs/reference/working-envs.md)"""
+    """Gymnasium MuJoCo, dm_control/<domain>-<task>-v0 or classic control (CartPole-v1, ...)
+    (docs/reference/working-envs.md; python framework/list_envs.py checks one)"""
     terminate_when_unhealthy: bool = True
     """end an episode when the robot falls (Hopper, Walker2d, Ant, Humanoid)"""
     terminate_when_tilted: bool = True
@@ -113,14 +116,18 @@ class PPOArgs(RunArgs):
     critic_hidden_layers: int = 2
     """number of hidden layers of the critic"""
     normalize_obs: bool = True
-    """normalise the policy's observations by their running mean and std (saved in checkpoints, applied by evaluation)"""
+    """normalise the policy's observations by their running mean and std (saved in checkpoints, applied by
+    evaluation)"""
     normalize_reward: bool = True
     """divide the rewards PPO learns from by the running std of the discounted return (CleanRL's NormalizeReward)"""
 
 
 @dataclass
 class PreferenceArgs:
-    """Settings of preference learning (identical in sac_rlhf.py and pref_ppo.py)."""
+    """Preference learning: exploration, the reward model, the label schedule, query selection, SURF, QPA and RUNE
+    (identical in sac_rlhf.py and pref_ppo.py)."""
+
+    help_group: ClassVar[str] = "preference learning"
 
     unsupervised_exploration: bool = True
     """before the first feedback session, learn on PEBBLE's k-NN state-entropy reward"""
@@ -166,6 +173,8 @@ class PreferenceArgs:
     """candidate pool size = factor x queries (disagree, entropy)"""
     surf: bool = True
     """SURF: pseudo-labelled pairs and temporal crops in reward training"""
+    surf_sampling_strategy: Literal["uniform", "disagree", "entropy"] = "uniform"
+    """SURF: how the unlabelled pairs are drawn (as --preference-sampling draws queries; SURF's: uniform)"""
     unlabeled_batch_ratio: int = 1
     """SURF: pseudo-labelled pairs per labelled pair in a batch"""
     surf_tau: float = 0.999
@@ -190,7 +199,15 @@ class PreferenceArgs:
 
 @dataclass
 class Args(CheckpointArgs, FeedbackArgs, PreferenceArgs, PPOArgs, PresetArgs):
-    """PrefPPO's settings: PPO's, preference learning's, the teacher's, checkpoints' and the --preset they start from."""
+    """PrefPPO's settings: PPO's, preference learning's, the teacher's, checkpoints' and the --preset they start
+    from."""
+
+    help_group: ClassVar[str] = "PrefPPO"
+    first_flags: ClassVar[str] = (
+        "env_id total_timesteps preset seed teacher_feedback_mode teacher_feedback_total_queries teacher_objective "
+        "feedback_server_autostart capture_video track run_name resume"
+    )
+    """the flags a newcomer sets, shown first by --help"""
 
     exp_name: str = "pref_ppo"
     """the name of this experiment (part of the run name)"""
@@ -200,25 +217,25 @@ class Args(CheckpointArgs, FeedbackArgs, PreferenceArgs, PPOArgs, PresetArgs):
 
 
 def check_ppo_actions(env_id: str, space: gym.Space) -> None:
-    need(
-        isinstance(space, (gym.spaces.Box, gym.spaces.Discrete)),
-        f"--env-id {env_id} has a {type(space).__name__} action space; PPO here needs a continuous (Box) or Discrete one",
-    )
+    kind = type(space).__name__
+    needed = "PPO here needs a continuous (Box) or Discrete one"
+    supported = isinstance(space, (gym.spaces.Box, gym.spaces.Discrete))
+    need(supported, f"--env-id {env_id} has a {kind} action space; {needed}")
 
 
-def make_env(env_id: str, seed: int, render_mode=None, width=320, height=240, terminate_when_unhealthy=True, task_seed=None, **settings):
-    """cleanrlhf_utils' environment, refused unless PPO can act in it (task_seed: the Meta-World layout, default seed's;
-    settings: terminate_when_tilted, ends_episode)."""
-    return cleanrlhf_envs.make_env(
-        env_id, seed, render_mode, width, height, terminate_when_unhealthy, check_ppo_actions, task_seed, **settings
-    )
+def make_env(env_id: str, seed: int, render_mode=None, width=320, height=240, **settings):
+    """cleanrlhf_utils' environment, refused unless PPO can act in it (settings: terminate_when_unhealthy,
+    terminate_when_tilted, ends_episode, task_seed: the Meta-World layout, default seed's)."""
+    settings["check_actions"] = check_ppo_actions
+    return cleanrlhf_envs.make_env(env_id, seed, render_mode, width, height, **settings)
 
 
 def make_vector_env(args: PPOArgs) -> gym.vector.SyncVectorEnv:
     """num_envs copies with Gymnasium's next-step autoreset, all on the Meta-World layout of the run's seed."""
-    settings = (args.video_width, args.video_height, args.terminate_when_unhealthy, args.seed)
-    ends = {"terminate_when_tilted": args.terminate_when_tilted, "ends_episode": episode_end(args)}
-    copies = [make_env(args.env_id, args.seed + i, None, *settings, **ends) for i in range(args.num_envs)]
+    ends = {"terminate_when_unhealthy": args.terminate_when_unhealthy, "ends_episode": episode_end(args)}
+    ends |= {"terminate_when_tilted": args.terminate_when_tilted, "task_seed": args.seed}
+    size = (args.video_width, args.video_height)
+    copies = [make_env(args.env_id, args.seed + i, None, *size, **ends) for i in range(args.num_envs)]
     return gym.vector.SyncVectorEnv(copies, autoreset_mode=gym.vector.AutoresetMode.NEXT_STEP)
 
 
@@ -246,7 +263,13 @@ class Agent(nn.Module):
     (actions are clipped to the bounds when they are sent to the env); Discrete actions: a categorical."""
 
     def __init__(
-        self, obs_dim: int, action_space, actor_hidden_dim=64, actor_hidden_layers=2, critic_hidden_dim=64, critic_hidden_layers=2
+        self,
+        obs_dim: int,
+        action_space,
+        actor_hidden_dim=64,
+        actor_hidden_layers=2,
+        critic_hidden_dim=64,
+        critic_hidden_layers=2,
     ):
         super().__init__()
         self.discrete = isinstance(action_space, gym.spaces.Discrete)
@@ -320,7 +343,7 @@ class RolloutBuffer:
     out of the replay buffer, never point into this). `valid` is False on the steps where Gymnasium's next-step
     autoreset only resets an env: they are not transitions and nothing is learned from them."""
 
-    def __init__(self, num_steps: int, num_envs: int, obs_dim: int, action_shape: tuple, reward_action_dim: int, state_dim: int):
+    def __init__(self, num_steps: int, num_envs: int, obs_dim: int, action_shape: tuple, action_input_dim, state_dim):
         shape = (num_steps, num_envs)
         self.num_steps, self.num_envs = num_steps, num_envs
         self.obs = np.zeros((*shape, obs_dim), dtype=np.float32)  # normalised: what the policy saw
@@ -328,7 +351,7 @@ class RolloutBuffer:
         self.raw_obs = np.zeros((*shape, obs_dim), dtype=np.float32)  # the reward model's and the replay buffer's
         self.raw_next_obs = np.zeros((*shape, obs_dim), dtype=np.float32)  # at an episode end: the final observation
         self.actions = np.zeros((*shape, *action_shape), dtype=np.float32)  # as sampled (Box: before clipping)
-        self.reward_actions = np.zeros((*shape, reward_action_dim), dtype=np.float32)  # as sent (clipped / one-hot)
+        self.reward_actions = np.zeros((*shape, action_input_dim), dtype=np.float32)  # as sent (clipped / one-hot)
         self.logprobs = np.zeros(shape, dtype=np.float32)
         self.true_rewards = np.zeros(shape, dtype=np.float32)  # the environment's, never normalised
         self.learned_rewards = np.zeros(shape, dtype=np.float32)  # ensemble mean
@@ -345,9 +368,7 @@ class RolloutBuffer:
         return np.concatenate([self.raw_obs, self.reward_actions], axis=-1)
 
 
-def collect_rollout(
-    envs, agent: Agent, obs_rms: ObservationNormalizer, rollout: RolloutBuffer, obs: np.ndarray, episodes: EpisodeTracker, device
-) -> tuple:
+def collect_rollout(envs, agent: Agent, obs_rms: ObservationNormalizer, rollout: RolloutBuffer, obs, episodes, device):
     """Runs the policy for num_steps vector steps from `obs`, filling `rollout`. Returns the observation to
     continue from and the episodes that ended, as (step within the rollout, env, return, length)."""
     action_space = envs.single_action_space
@@ -365,7 +386,8 @@ def collect_rollout(
         action = action.cpu().numpy()
         sent = env_actions(action, action_space)
         next_obs, rewards, terminated, truncated, _ = envs.step(sent)
-        rollout.obs[t], rollout.raw_obs[t], rollout.actions[t], rollout.logprobs[t] = policy_obs, obs, action, logprob.cpu().numpy()
+        rollout.obs[t], rollout.raw_obs[t], rollout.actions[t] = policy_obs, obs, action
+        rollout.logprobs[t] = logprob.cpu().numpy()
         rollout.reward_actions[t] = encode_actions(sent, action_space)
         rollout.next_obs[t], rollout.raw_next_obs[t] = obs_rms.normalize(next_obs), next_obs
         rollout.true_rewards[t] = rewards
@@ -380,10 +402,10 @@ def collect_rollout(
 
 def rollout_values(agent: Agent, rollout: RolloutBuffer, device) -> tuple[np.ndarray, np.ndarray]:
     """V(obs) and V(next_obs) of every step, (T, N) each, with the current critic."""
-    shape = rollout.valid.shape
+    shape, width = rollout.valid.shape, rollout.obs.shape[-1]
     with torch.no_grad():
-        values = agent.get_value(torch.as_tensor(rollout.obs.reshape(-1, rollout.obs.shape[-1]), device=device))
-        next_values = agent.get_value(torch.as_tensor(rollout.next_obs.reshape(-1, rollout.obs.shape[-1]), device=device))
+        values = agent.get_value(torch.as_tensor(rollout.obs.reshape(-1, width), device=device))
+        next_values = agent.get_value(torch.as_tensor(rollout.next_obs.reshape(-1, width), device=device))
     return values.cpu().numpy().reshape(shape), next_values.cpu().numpy().reshape(shape)
 
 
@@ -408,7 +430,7 @@ def compute_gae(
     return advantages, advantages + values
 
 
-def ppo_update(agent: Agent, optimizer: torch.optim.Optimizer, batch: dict, args: PPOArgs, rng: np.random.Generator) -> dict:
+def ppo_update(agent: Agent, optimizer: torch.optim.Optimizer, batch: dict, args: PPOArgs, rng) -> dict:
     """CleanRL's clipped PPO update. batch: obs, actions, logprobs, advantages, returns, values (tensors over the
     valid steps of a rollout); minibatches of ceil(size / num_minibatches) steps, shuffled with `rng`."""
     size = len(batch["obs"])
@@ -459,27 +481,24 @@ def ppo_update(agent: Agent, optimizer: torch.optim.Optimizer, batch: dict, args
     }
 
 
-def train_on_rollout(
-    agent: Agent, optimizer, rollout: RolloutBuffer, rewards: np.ndarray, args: PPOArgs, rng: np.random.Generator, device
-) -> dict:
+def train_on_rollout(agent: Agent, optimizer, rollout: RolloutBuffer, rewards, args: PPOArgs, rng, device) -> dict:
     """Values, GAE on `rewards` (T, N), and the PPO update on the rollout's valid steps."""
     values, next_values = rollout_values(agent, rollout, device)
     advantages, returns = compute_gae(
         rewards, values, next_values, rollout.terminated, rollout.truncated, rollout.valid, args.gamma, args.gae_lambda
     )
     valid = rollout.valid
-    batch = {
-        "obs": rollout.obs[valid], "actions": rollout.actions[valid], "logprobs": rollout.logprobs[valid],
-        "advantages": advantages[valid], "returns": returns[valid], "values": values[valid],
-    }  # fmt: skip
-    batch = {name: torch.as_tensor(value, device=device) for name, value in batch.items()}
+    batch = {"obs": rollout.obs, "actions": rollout.actions, "logprobs": rollout.logprobs}
+    batch |= {"advantages": advantages, "returns": returns, "values": values}
+    batch = {name: torch.as_tensor(value[valid], device=device) for name, value in batch.items()}
     if agent.discrete:
         batch["actions"] = batch["actions"].long()
     return ppo_update(agent, optimizer, batch, args, rng)
 
 
 def set_learning_rate(optimizer: torch.optim.Optimizer, args: PPOArgs, iteration: int, num_iterations: int) -> float:
-    """CleanRL's linear annealing: iteration 1 (of num_iterations) uses the full rate, the last 1/num_iterations of it."""
+    """CleanRL's linear annealing: iteration 1 (of num_iterations) uses the full rate, the last 1/num_iterations of
+    it."""
     lr = args.learning_rate * (1.0 - (iteration - 1.0) / num_iterations) if args.anneal_lr else args.learning_rate
     optimizer.param_groups[0]["lr"] = lr
     return lr
@@ -487,8 +506,37 @@ def set_learning_rate(optimizer: torch.optim.Optimizer, args: PPOArgs, iteration
 
 # ----------------------------------------------------------------------------------------
 # Preference learning (a deliberate copy in sac_rlhf.py and pref_ppo.py: tests/test_lockstep.py)
-# The reward model: an ensemble of MLPs on (obs, action), trained with Bradley-Terry
 # ----------------------------------------------------------------------------------------
+class BradleyTerry:
+    """The preference model: how a pair's predicted returns R (..., 2), each the summed reward of one segment, turn
+    into a teacher's choice, P(segment 1 > segment 0) = sigmoid(R1 - R0), and the loss that fits it to labels (...):
+    1 = segment 1 preferred, 0 = segment 0, 0.5 = a tie. The one place that states the model: reward training, SURF's
+    confidence test and pseudo-label loss, query selection (disagreement, entropy), accuracy, RIME's selection and the
+    mistake-aware loss all ask PREFERENCE_MODEL, so a model assigned there reaches every one of them. Bradley-Terry is
+    Plackett-Luce for k = 2 clips: a model of rankings of k clips (returns (..., k)) or of ratings answers the same
+    four questions."""
+
+    def probability(self, returns: torch.Tensor) -> torch.Tensor:
+        """P(segment 1 > segment 0) of each pair: (..., 2) -> (...)."""
+        return torch.sigmoid(returns[..., 1] - returns[..., 0])
+
+    def log_probabilities(self, returns: torch.Tensor) -> torch.Tensor:
+        """log P(segment 0 preferred), log P(segment 1 preferred): (..., 2) -> (..., 2)."""
+        margin = returns[..., 1] - returns[..., 0]
+        return torch.stack([F.logsigmoid(-margin), F.logsigmoid(margin)], dim=-1)
+
+    def loss(self, returns: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The labels' negative log-likelihood, averaged over pairs (and members): cross-entropy of sigmoid(R1 - R0)."""
+        return F.binary_cross_entropy_with_logits(returns[..., 1] - returns[..., 0], labels)
+
+    def label_losses(self, probability: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Each label's negative log-likelihood given the model's P(segment 1 > segment 0) of its pair (...)."""
+        return F.binary_cross_entropy(probability.clamp(1e-7, 1 - 1e-7), labels, reduction="none")
+
+
+PREFERENCE_MODEL = BradleyTerry()
+"""the preference model every part of preference learning asks (looked up at each call)"""
+
 RELABEL_CHUNK = 1024
 """transitions per forward pass when relabelling: 1024 keeps the activations in cache (bench/relabel.py)"""
 
@@ -496,11 +544,12 @@ RELABEL_CHUNK = 1024
 class RewardEnsemble(nn.Module):
     """r_e(s, a) for every member e in one batched network; outputs lie in (-1, 1) (tanh, as PEBBLE)."""
 
-    def __init__(self, input_dim: int, ensemble_size: int = 3, hidden_dim: int = 256, hidden_layers: int = 3, dropout: float = 0.0):
+    def __init__(self, input_dim: int, ensemble_size=3, hidden_dim=256, hidden_layers=3, dropout: float = 0.0):
         super().__init__()
         self.ensemble_size = ensemble_size
-        self.net = ensemble_mlp(ensemble_size, input_dim, hidden_dim, hidden_layers, 1, activation=nn.LeakyReLU, dropout=dropout)
-        # Identity until set_input_statistics: raw inputs generalised worse to the policy's later data (reward_learning bench)
+        size = (hidden_dim, hidden_layers, 1)
+        self.net = ensemble_mlp(ensemble_size, input_dim, *size, activation=nn.LeakyReLU, dropout=dropout)
+        # Identity until set_input_statistics: raw inputs generalised worse to the policy's later data (reward_learning)
         self.register_buffer("input_mean", torch.zeros(input_dim))
         self.register_buffer("input_std", torch.ones(input_dim))
 
@@ -524,24 +573,17 @@ class RewardEnsemble(nn.Module):
         return torch.tanh(out).reshape(shape)
 
 
-def bradley_terry_loss(returns: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy of P(segment 1 > segment 0) = sigmoid(R1 - R0) against labels in {0, 0.5, 1}.
-
-    returns: (..., 2) summed predicted rewards; labels: (...) with 1 = segment 1 preferred, 0.5 = tie.
-    Averaged over pairs (and members)."""
-    return F.binary_cross_entropy_with_logits(returns[..., 1] - returns[..., 0], labels)
-
-
-def preference_probabilities(model: RewardEnsemble, segments: torch.Tensor, masks: torch.Tensor, chunk: int = 10) -> torch.Tensor:
+def preference_probabilities(model: RewardEnsemble, segments, masks, chunk: int = 10) -> torch.Tensor:
     """P_e(segment 1 > segment 0) for each member: segments (N, 2, L, D), masks (N, 2, L) -> (E, N), in eval mode.
     Scored `chunk` pairs at a time: a query pool in one pass held over 1 GB of activations at 1000 pairs, and about
     1000 rows a pass is also the fastest (bench/relabel.py)."""
     was_training = model.training
     model.eval()
     with torch.no_grad():
-        returns = torch.cat([(model(s) * m).sum(-1) for s, m in zip(segments.split(chunk), masks.split(chunk))], dim=1)
+        pairs = zip(segments.split(chunk), masks.split(chunk))
+        returns = torch.cat([(model(s) * m).sum(-1) for s, m in pairs], dim=1)
     model.train(was_training)
-    return torch.sigmoid(returns[..., 1] - returns[..., 0])
+    return PREFERENCE_MODEL.probability(returns)
 
 
 def disagreement_scores(probabilities: torch.Tensor) -> torch.Tensor:
@@ -579,8 +621,9 @@ def relabel_replay_buffer(model: RewardEnsemble, rb: ReplayBuffer, device: torch
         rb.learned_rewards[idx], rb.reward_std[idx] = mean.cpu().numpy(), std.cpu().numpy()
 
 
-# --- Preference buffer: the labelled segments themselves, never indices into the replay buffer ---
 class PreferenceBuffer:
+    """The labelled segments themselves (never indices into the replay buffer, which moves on)."""
+
     FIELDS = ("obs_actions", "masks", "true_rewards", "physics_states", "labels", "heldout", "global_steps")
 
     def __init__(self, segment_length: int, input_dim: int, state_dim: int):
@@ -597,8 +640,9 @@ class PreferenceBuffer:
 
     def add(self, obs_actions, masks, true_rewards, physics_states, labels, heldout, global_step: int) -> None:
         steps = np.full(len(labels), global_step, dtype=np.int64)
-        for name, values in zip(self.FIELDS, (obs_actions, masks, true_rewards, physics_states, labels, heldout, steps), strict=True):
-            setattr(self, name, np.concatenate([getattr(self, name), values.astype(getattr(self, name).dtype)]))
+        values = (obs_actions, masks, true_rewards, physics_states, labels, heldout, steps)
+        for name, value in zip(self.FIELDS, values, strict=True):
+            setattr(self, name, np.concatenate([getattr(self, name), value.astype(getattr(self, name).dtype)]))
 
     def split(self, heldout: bool) -> np.ndarray:
         return np.flatnonzero(self.heldout == heldout)
@@ -611,7 +655,7 @@ class PreferenceBuffer:
             setattr(self, name, np.asarray(state[name]))
 
 
-def preference_accuracy(model: RewardEnsemble, prefs: PreferenceBuffer, indices: np.ndarray, device, chunk: int = 256) -> float:
+def preference_accuracy(model: RewardEnsemble, prefs: PreferenceBuffer, indices, device, chunk: int = 256) -> float:
     """Agreement of the ensemble-mean preference with the non-tie labels at `indices`."""
     indices = indices[prefs.labels[indices] != 0.5]
     if len(indices) == 0:
@@ -627,14 +671,12 @@ def preference_accuracy(model: RewardEnsemble, prefs: PreferenceBuffer, indices:
 
 
 # --- Query selection: uniform, disagreement, entropy ---
-def select_queries(
-    strategy: str, model, rb: ReplayBuffer, num_queries: int, segment_length: int, pool_factor: int, rng, device, recent_episodes=0
-):
+def select_queries(strategy: str, model, rb, num_queries: int, length: int, pool_factor: int, rng, device, recent=0):
     """Indices (num_queries, 2, L) and masks of the pairs to ask about: `num_queries` of a pool `pool_factor` times as
-    large with the highest disagreement or entropy (or simply drawn, `uniform`); from the last `recent_episodes`
-    episodes only when it is set (QPA)."""
+    large with the highest disagreement or entropy (or simply drawn, `uniform`); from the last `recent` episodes only
+    when it is set (QPA)."""
     pool = num_queries if strategy == "uniform" else num_queries * pool_factor
-    idx, mask = rb.sample_segment_pairs(pool, segment_length, rng, recent_episodes)
+    idx, mask = rb.sample_segment_pairs(pool, length, rng, recent)
     if strategy == "uniform":
         return idx, mask
     segments = torch.as_tensor(rb.obs_actions(idx), device=device)
@@ -648,14 +690,11 @@ def session_pairs(number: int, schedule: list[int], model: RewardEnsemble, rb: R
     """Feedback session `number`'s pairs (rb.gather_segments), chosen by the reward model as it stands. The first
     session samples uniformly: an untrained ensemble's disagreement carries no information."""
     strategy = "uniform" if number == 1 else args.preference_sampling
-    idx, mask = select_queries(
-        strategy, model, rb, schedule[number - 1], args.segment_length, args.preference_sampling_pool_factor, rng, device,
-        args.qpa_query_episodes,
-    )  # fmt: skip
+    pool = (args.segment_length, args.preference_sampling_pool_factor)
+    idx, mask = select_queries(strategy, model, rb, schedule[number - 1], *pool, rng, device, args.qpa_query_episodes)
     return rb.gather_segments(idx, mask)
 
 
-# --- Feedback schedule ---
 def feedback_schedule(total_queries: int, queries_per_session: int, kind: str, decay: float = 0.8) -> list[int]:
     """Queries per session; the counts add up to total_queries exactly (largest-remainder rounding)."""
     if total_queries == 0:
@@ -669,14 +708,60 @@ def feedback_schedule(total_queries: int, queries_per_session: int, kind: str, d
     return [int(c) for c in counts if c > 0]
 
 
-# --- Reward-model training: Bradley-Terry, with SURF's temporal crops and pseudo-labels and QPA's extra crops ---
-def reward_epoch(
-    model: RewardEnsemble, optimizer, pairs: tuple, active: torch.Tensor, rb: ReplayBuffer, args, rng, device, loss_fn=bradley_terry_loss
-) -> dict:
+# --- SURF: temporal crops and pseudo-labels ---
+def crop_segments(segments, masks, min_offset: int, max_offset: int, cut_out: bool = True) -> tuple:
+    """SURF's temporal crops of pairs, segments (..., 2, L, D) with masks (..., 2, L): each segment keeps a window at
+    its own random start; both segments of a pair keep the same random length in [L - max_offset, L - min_offset],
+    since comparing summed rewards over unequal lengths biases the label. `cut_out`: the window of L - min_offset
+    steps that holds each crop, with the crop's mask (only those steps are computed); else the whole segments with
+    the crops as their masks (the same draws, the same returns)."""
+    shape, length = masks.shape[:-1], masks.shape[-1]
+    crop_len = torch.randint(length - max_offset, length - min_offset + 1, shape[:-1])[..., None].expand(shape)
+    start = (torch.rand(shape) * (length - crop_len + 1)).long()
+    steps = torch.arange(length)
+    crops = ((steps >= start[..., None]) & (steps < (start + crop_len)[..., None])).to(masks.device)
+    if not cut_out:
+        return segments, masks * crops
+    width = length - min_offset
+    steps = crops.float().argmax(-1, keepdim=True).clamp_max(length - width) + torch.arange(width, device=masks.device)
+    return segments.take_along_dim(steps[..., None], dim=-2), (masks * crops).take_along_dim(steps, dim=-1)
+
+
+def pseudo_labels(probabilities: torch.Tensor, tau: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hard labels from the ensemble-mean preference and the mask of pairs confident beyond tau."""
+    mean = probabilities.mean(0)
+    confident = (mean > tau) | (mean < 1 - tau)
+    return (mean > 0.5).float(), confident
+
+
+def surf_loss(model: RewardEnsemble, rb: ReplayBuffer, num_pairs: int, args, rng, device) -> tuple[torch.Tensor, int]:
+    """Pseudo-label loss on cropped unlabelled pairs (drawn as --surf-sampling-strategy says) whose ensemble-mean
+    preference is beyond tau."""
+    pool = (args.segment_length, args.preference_sampling_pool_factor)
+    idx, mask = select_queries(args.surf_sampling_strategy, model, rb, num_pairs, *pool, rng, device)
+    segments = torch.as_tensor(rb.obs_actions(idx), device=device)
+    masks = torch.as_tensor(mask, device=device, dtype=torch.float32)
+    segments, masks = crop_segments(segments, masks, args.min_augmentation_offset, args.max_augmentation_offset)
+    with torch.no_grad():  # find the confident pairs first: only they take part in the backward pass
+        returns = (model(segments) * masks).sum(-1)  # (E, n, 2)
+        labels, confident = pseudo_labels(PREFERENCE_MODEL.probability(returns), args.surf_tau)
+    if not confident.any():
+        return torch.zeros((), device=device), 0
+    ensemble = model.ensemble_size
+    returns = (model(segments[confident]) * masks[confident]).sum(-1)
+    loss = PREFERENCE_MODEL.loss(returns, labels[confident].expand(ensemble, -1)) * ensemble
+    return loss, int(confident.sum())
+
+
+# --- Reward-model training: the preference model's loss, with SURF's crops and pseudo-labels and QPA's crops ---
+def reward_epoch(model: RewardEnsemble, optimizer, pairs: tuple, active, rb, args, rng, device, loss_fn=None) -> dict:
     """One epoch over the labelled pairs (segments, masks, labels) at `active`: every member sees its own shuffle, each
-    pair once plus --qpa-augmentations cropped copies (all copies cropped with SURF), with SURF's pseudo-label loss."""
+    pair once plus --qpa-augmentations cropped copies (all copies cropped with SURF), with SURF's pseudo-label loss.
+    `loss_fn(returns, labels)`: the labelled pairs' loss (default: PREFERENCE_MODEL.loss)."""
+    loss_fn = loss_fn or PREFERENCE_MODEL.loss
     all_segments, all_masks, all_labels = pairs
     ensemble, labelled, copies = model.ensemble_size, len(active), 1 + args.qpa_augmentations
+    offsets = (args.min_augmentation_offset, args.max_augmentation_offset)
     order = torch.argsort(torch.rand(ensemble, labelled * copies), dim=1)  # entries >= labelled are augmented copies
     losses, ssl_losses, pseudo = [], [], 0
     for start in range(0, labelled * copies, args.reward_net_batch_size):
@@ -685,10 +770,10 @@ def reward_epoch(
         segments, masks, labels = all_segments[chosen], all_masks[chosen], all_labels[chosen]
         cropped = batch >= labelled
         if args.surf:  # every copy cropped: cut the crops out, the steps outside them are not computed
-            segments, masks = crop_segments(segments, masks, args.min_augmentation_offset, args.max_augmentation_offset)
+            segments, masks = crop_segments(segments, masks, *offsets)
         elif cropped.any():  # only QPA's copies: mask them, their batch mixes with whole segments
-            crops = temporal_crop_masks(masks.shape[:-1], args.segment_length, args.min_augmentation_offset, args.max_augmentation_offset)
-            masks = torch.where(cropped[..., None, None].to(device), masks * crops.to(device), masks)
+            _, crops = crop_segments(segments, masks, *offsets, cut_out=False)
+            masks = torch.where(cropped[..., None, None].to(device), crops, masks)
         returns = (model.forward_members(segments) * masks).sum(-1)  # (E, b, 2)
         loss = loss_fn(returns, labels) * ensemble  # summed over members
         if args.surf and args.unlabeled_batch_ratio > 0:
@@ -704,11 +789,10 @@ def reward_epoch(
     return {"train_loss": float(np.mean(losses)), "ssl_loss": ssl, "pseudo_labels": pseudo, "steps": len(losses)}
 
 
-def train_reward_model(
-    model: RewardEnsemble, optimizer, prefs: PreferenceBuffer, rb: ReplayBuffer, args, rng, device, loss_fn=bradley_terry_loss
-) -> dict:
-    """Fits the ensemble to the training split of the labels, epoch after epoch (reward_epoch), until its accuracy on
-    them reaches --reward-net-target-accuracy or --reward-net-epochs have run. Returns the last epoch's figures."""
+def train_reward_model(model: RewardEnsemble, optimizer, prefs, rb, args, rng, device, loss_fn=None) -> dict:
+    """Fits the ensemble to the training split of the labels, epoch after epoch (reward_epoch, with `loss_fn`), until
+    its accuracy on them reaches --reward-net-target-accuracy or --reward-net-epochs have run. Returns the last
+    epoch's figures."""
     train_idx = prefs.split(heldout=False)
     stats = {"train_loss": float("nan"), "ssl_loss": 0.0, "pseudo_labels": 0, "epochs": 0, "steps": 0}
     if len(train_idx) == 0:
@@ -722,7 +806,8 @@ def train_reward_model(
     )
     model.train()
     for epoch in range(args.reward_net_epochs):
-        epoch_stats = reward_epoch(model, optimizer, pairs, torch.arange(len(train_idx)), rb, args, rng, device, loss_fn)
+        active = torch.arange(len(train_idx))
+        epoch_stats = reward_epoch(model, optimizer, pairs, active, rb, args, rng, device, loss_fn)
         totals = {name: stats[name] + epoch_stats[name] for name in ("pseudo_labels", "steps")}
         stats |= epoch_stats | totals | {"epochs": epoch + 1}
         # Stop on the accuracy of the whole, uncropped training split: cropped-batch accuracy stops too early.
@@ -732,55 +817,10 @@ def train_reward_model(
     return stats
 
 
-def temporal_crop_masks(
-    shape: tuple, length: int, min_offset: int, max_offset: int, generator: torch.Generator | None = None
-) -> torch.Tensor:
-    """Masks (*shape, length) for pairs (shape[-1] == 2), as SURF's temporal cropping: each segment keeps a
-    window at its own random start; both segments of a pair keep the same random length in
-    [L - max_offset, L - min_offset], since comparing summed rewards over unequal lengths biases the label."""
-    crop_len = torch.randint(length - max_offset, length - min_offset + 1, shape[:-1], generator=generator)
-    crop_len = crop_len[..., None].expand(shape)
-    start = (torch.rand(shape, generator=generator) * (length - crop_len + 1)).long()
-    steps = torch.arange(length)
-    return (steps >= start[..., None]) & (steps < (start + crop_len)[..., None])
-
-
-def crop_segments(segments: torch.Tensor, masks: torch.Tensor, min_offset: int, max_offset: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """temporal_crop_masks' crops cut out instead of masked: segments (..., 2, L, D) and masks (..., 2, L) -> the
-    window of L - min_offset steps that holds each crop, with the crop's mask (the same draws, the same returns)."""
-    length = masks.shape[-1]
-    crops = temporal_crop_masks(masks.shape[:-1], length, min_offset, max_offset).to(masks.device)
-    width = length - min_offset
-    steps = crops.float().argmax(-1, keepdim=True).clamp_max(length - width) + torch.arange(width, device=masks.device)
-    return segments.take_along_dim(steps[..., None], dim=-2), (masks * crops).take_along_dim(steps, dim=-1)
-
-
-def pseudo_labels(probabilities: torch.Tensor, tau: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Hard labels from the ensemble-mean preference and the mask of pairs confident beyond tau."""
-    mean = probabilities.mean(0)
-    confident = (mean > tau) | (mean < 1 - tau)
-    return (mean > 0.5).float(), confident
-
-
-def surf_loss(model: RewardEnsemble, rb: ReplayBuffer, num_pairs: int, args, rng: np.random.Generator, device) -> tuple[torch.Tensor, int]:
-    """Pseudo-label loss on cropped unlabelled pairs whose ensemble-mean preference is beyond tau."""
-    idx, mask = rb.sample_segment_pairs(num_pairs, args.segment_length, rng)  # uniform, as SURF's
-    segments, masks = torch.as_tensor(rb.obs_actions(idx), device=device), torch.as_tensor(mask, device=device, dtype=torch.float32)
-    segments, masks = crop_segments(segments, masks, args.min_augmentation_offset, args.max_augmentation_offset)
-    with torch.no_grad():  # find the confident pairs first: only they take part in the backward pass
-        returns = (model(segments) * masks).sum(-1)  # (E, n, 2)
-        labels, confident = pseudo_labels(torch.sigmoid(returns[..., 1] - returns[..., 0]), args.surf_tau)
-    if not confident.any():
-        return torch.zeros((), device=device), 0
-    ensemble = model.ensemble_size
-    returns = (model(segments[confident]) * masks[confident]).sum(-1)
-    loss = bradley_terry_loss(returns, labels[confident].expand(ensemble, -1)) * ensemble
-    return loss, int(confident.sum())
-
-
-def reward_model_metrics(model: RewardEnsemble, prefs: PreferenceBuffer, rb: ReplayBuffer, args, fresh: bool, step: int, device) -> dict:
+def reward_model_metrics(model: RewardEnsemble, prefs, rb, args, fresh: bool, step: int, device) -> dict:
     """Accuracy on the labels trained on and on held-out ones (with `fresh`: on fresh pairs labelled by the reward the
-    teacher judges by, which cost no label), and the learned reward against that reward (cleanrlhf_utils.diagnostics)."""
+    teacher judges by, which cost no label), and the learned reward against that reward
+    (cleanrlhf_utils.diagnostics)."""
     probabilities = functools.partial(preference_probabilities, model)
     objective, seed = load_objective(args.teacher_objective), (args.seed, step)
     measured = reward_diagnostics(rb, objective, probabilities, args.segment_length, seed, fresh, device)
@@ -790,21 +830,10 @@ def reward_model_metrics(model: RewardEnsemble, prefs: PreferenceBuffer, rb: Rep
 
 
 # --- Unsupervised exploration: PEBBLE's k-NN state-entropy reward; RUNE's exploration bonus ---
-def knn_state_entropy(states: torch.Tensor, reference: torch.Tensor, k: int, group: int = 64) -> torch.Tensor:
-    """Distance from each state (B, D) to its k-th nearest neighbour among `reference` (M, D), k <= M.
-
-    A top-k over all M distances of every state was most of the cost. The distances are cut into groups of `group`
-    instead: the k-th nearest neighbour lies in one of the k groups with the nearest minima (those minima are k
-    distinct neighbours no farther than the k-th smallest minimum), so only those k x group candidates are ranked.
-    Squared distances less |s|^2 come from one matmul; the root is taken of the k-th only (timed: bench/knn.py)."""
-    partial = torch.addmm((reference * reference).sum(1), states, reference.T, alpha=-2)  # |r|^2 - 2 s.r
-    if partial.shape[1] % group:
-        partial = F.pad(partial, (0, -partial.shape[1] % group), value=float("inf"))
-    groups = partial.unflatten(1, (-1, group))
-    nearest_groups = groups.amin(2).topk(min(k, groups.shape[1]), dim=1, largest=False, sorted=False).indices
-    candidates = groups[torch.arange(len(groups), device=groups.device)[:, None], nearest_groups].flatten(1)
-    kth = candidates.topk(k, dim=1, largest=False, sorted=False).values.amax(1)
-    return (kth + (states * states).sum(1)).clamp_min(0).sqrt()
+def knn_state_entropy(states: torch.Tensor, reference: torch.Tensor, k: int) -> torch.Tensor:
+    """PEBBLE's state-entropy estimate of each state (B, D): the distance to its k-th nearest neighbour among
+    `reference` (M, D), k <= M (found by a grouped search, cleanrlhf_utils.speed)."""
+    return kth_nearest_distance(states, reference, k)
 
 
 def rune_beta(beta0: float, decay: float, step: int) -> float:
@@ -816,53 +845,74 @@ def rune_beta(beta0: float, decay: float, step: int) -> float:
 # Settings checks: every value is checked before anything is built or written
 # ----------------------------------------------------------------------------------------
 PREFERENCE_RANGES = {
-    "total_explore_steps": ">= 0", "explore_knn_k": ">= 1", "reward_ensemble_size": ">= 1",
-    "reward_net_heldout_fraction": "in [0, 1)", "teacher_feedback_total_queries": ">= 0",
-    "teacher_feedback_num_queries_per_session": ">= 1", "teacher_feedback_exponential_decay": "in (0, 1]",
-    "teacher_feedback_frequency": ">= 1", "segment_length": ">= 2", "preference_sampling_pool_factor": ">= 1",
-    "unlabeled_batch_ratio": ">= 0", "surf_tau": "in (0.5, 1)",
-    "min_augmentation_offset": ">= 0", "qpa_query_episodes": ">= 0", "qpa_augmentations": ">= 0", "rune_beta": ">= 0",
+    "total_explore_steps": ">= 0",
+    "explore_knn_k": ">= 1",
+    "reward_ensemble_size": ">= 1",
+    "reward_net_heldout_fraction": "in [0, 1)",
+    "teacher_feedback_total_queries": ">= 0",
+    "teacher_feedback_num_queries_per_session": ">= 1",
+    "teacher_feedback_exponential_decay": "in (0, 1]",
+    "teacher_feedback_frequency": ">= 1",
+    "segment_length": ">= 2",
+    "preference_sampling_pool_factor": ">= 1",
+    "unlabeled_batch_ratio": ">= 0",
+    "surf_tau": "in (0.5, 1)",
+    "min_augmentation_offset": ">= 0",
+    "qpa_query_episodes": ">= 0",
+    "qpa_augmentations": ">= 0",
+    "rune_beta": ">= 0",
     "rune_beta_decay": "in [0, 1)",
-}  # fmt: skip
+}
 
 
 def validate_preference_args(args) -> None:
     """PreferenceArgs, the teacher's and the checkpoints' settings, and what --teacher-objective needs."""
     check_ranges(args, PREFERENCE_RANGES)
+    low, high = args.min_augmentation_offset, args.max_augmentation_offset
+    need(low <= high, f"--min-augmentation-offset ({low}) must be >= 0 and <= --max-augmentation-offset ({high})")
     need(
-        args.min_augmentation_offset <= args.max_augmentation_offset,
-        f"--min-augmentation-offset ({args.min_augmentation_offset}) must be >= 0 and <= --max-augmentation-offset ({args.max_augmentation_offset})",
+        high < args.segment_length,
+        f"--max-augmentation-offset ({high}) must be smaller than --segment-length ({args.segment_length})",
     )
+    sample = args.explore_knn_sample_size
     need(
-        args.max_augmentation_offset < args.segment_length,
-        f"--max-augmentation-offset ({args.max_augmentation_offset}) must be smaller than --segment-length ({args.segment_length})",
+        sample >= args.explore_knn_k,
+        f"--explore-knn-sample-size must be >= --explore-knn-k ({args.explore_knn_k}), got {sample}",
     )
-    need(
-        args.explore_knn_sample_size >= args.explore_knn_k,
-        f"--explore-knn-sample-size must be >= --explore-knn-k ({args.explore_knn_k}), got {args.explore_knn_sample_size}",
-    )
-    apply_objective(args)  # sets what the objective needs (e.g. no unhealthy termination), refuses what contradicts it
+    check_objective_settings(args)  # the env it is for, and the settings it needs
     validate_feedback_args(args)
     validate_checkpoint_args(args)
 
 
 PPO_RANGES = {
-    "total_timesteps": "> 0", "num_envs": ">= 1", "num_steps": ">= 1", "learning_rate": "> 0", "num_minibatches": ">= 1",
-    "update_epochs": ">= 1", "gamma": "in [0, 1]", "gae_lambda": "in [0, 1]", "clip_coef": "> 0", "max_grad_norm": "> 0",
-    "actor_hidden_layers": ">= 0", "critic_hidden_layers": ">= 0", "evaluation_frequency": ">= 0", "evaluation_episodes": ">= 1",
-}  # fmt: skip
+    "total_timesteps": "> 0",
+    "num_envs": ">= 1",
+    "num_steps": ">= 1",
+    "learning_rate": "> 0",
+    "num_minibatches": ">= 1",
+    "update_epochs": ">= 1",
+    "gamma": "in [0, 1]",
+    "gae_lambda": "in [0, 1]",
+    "clip_coef": "> 0",
+    "max_grad_norm": "> 0",
+    "actor_hidden_layers": ">= 0",
+    "critic_hidden_layers": ">= 0",
+    "evaluation_frequency": ">= 0",
+    "evaluation_episodes": ">= 1",
+}
 
 
 def validate_ppo_args(args: PPOArgs) -> None:
     check_ranges(args, PPO_RANGES)
+    total, rollout = args.total_timesteps, args.num_envs * args.num_steps
     need(
-        args.total_timesteps >= args.num_envs * args.num_steps,
-        f"--total-timesteps ({args.total_timesteps}) must hold at least one rollout of --num-envs x --num-steps = {args.num_envs * args.num_steps} steps",
+        args.total_timesteps >= rollout,
+        f"--total-timesteps ({total}) must hold at least one rollout: --num-envs x --num-steps = {rollout}",
     )
     need(args.target_kl is None or args.target_kl > 0, f"--target-kl must be > 0, got {args.target_kl}")
-    check_env_id(args.env_id)
+    cleanrlhf_envs.check_env_id(args.env_id)
     if args.capture_video:
-        check_can_render(args.env_id, "--capture-video")
+        cleanrlhf_envs.check_can_render(args.env_id, "--capture-video")
 
 
 def validate_args(args: Args) -> None:
@@ -880,8 +930,9 @@ def relabel_rollout(model: RewardEnsemble, rollout: RolloutBuffer, device, beta:
     x = rollout.obs_actions().reshape(-1, rollout.raw_obs.shape[-1] + rollout.reward_actions.shape[-1])
     mean, std = np.zeros(len(x), dtype=np.float32), np.zeros(len(x), dtype=np.float32)
     for start in range(0, len(x), RELABEL_CHUNK):
-        chunk_mean, chunk_std = predict_rewards(model, torch.as_tensor(x[start : start + RELABEL_CHUNK], device=device))
-        mean[start : start + RELABEL_CHUNK], std[start : start + RELABEL_CHUNK] = chunk_mean.cpu().numpy(), chunk_std.cpu().numpy()
+        rows = slice(start, start + RELABEL_CHUNK)
+        chunk_mean, chunk_std = predict_rewards(model, torch.as_tensor(x[rows], device=device))
+        mean[rows], std[rows] = chunk_mean.cpu().numpy(), chunk_std.cpu().numpy()
     valid = rollout.valid
     rollout.learned_rewards[:] = np.where(valid, mean.reshape(valid.shape), 0.0)
     rollout.reward_std[:] = np.where(valid, std.reshape(valid.shape), 0.0)
@@ -895,21 +946,22 @@ def add_rollout_to_buffer(rb: ReplayBuffer, rollout: RolloutBuffer) -> None:
     rollout.rb_index[:] = -1
     env, t = np.nonzero(rollout.valid.T)  # env by env, each env's steps in order
     fields = (rollout.raw_obs, rollout.raw_next_obs, rollout.reward_actions, rollout.true_rewards, rollout.terminated)
-    rollout.rb_index[t, env] = rb.add_many(*(f[t, env] for f in fields), rollout.episode_ids[t, env], rollout.physics_states[t, env])
+    fields += (rollout.episode_ids, rollout.physics_states)
+    rollout.rb_index[t, env] = rb.add_many(*(field[t, env] for field in fields))
 
 
-def exploration_rewards(
-    rollout: RolloutBuffer, rb: ReplayBuffer, intrinsic_rms: RunningMoments, args: Args, rng: np.random.Generator, device, chunk: int = 4096
-) -> None:
+def exploration_rewards(rollout: RolloutBuffer, rb: ReplayBuffer, intrinsic_rms, args, rng, device, chunk=4096) -> None:
     """PEBBLE's intrinsic reward for a rollout: the distance from each reached state to its k-th nearest neighbour
     among a random sample of replay-buffer states (this rollout's included), over its running std."""
     rollout.rewards[:] = 0.0
     states = torch.as_tensor(rollout.raw_next_obs[rollout.valid], device=device)
     if len(states) == 0:
         return
-    reference = torch.as_tensor(rb.next_obs[rb.sample_indices(min(args.explore_knn_sample_size, rb.size), rng)], device=device)
+    sample = rb.sample_indices(min(args.explore_knn_sample_size, rb.size), rng)
+    reference = torch.as_tensor(rb.next_obs[sample], device=device)
     k = min(args.explore_knn_k, len(reference))
-    distances = torch.cat([knn_state_entropy(states[s : s + chunk], reference, k) for s in range(0, len(states), chunk)])
+    pieces = [knn_state_entropy(states[s : s + chunk], reference, k) for s in range(0, len(states), chunk)]
+    distances = torch.cat(pieces)
     intrinsic_rms.update(distances)
     rollout.rewards[rollout.valid] = (distances / float(intrinsic_rms.std)).cpu().numpy()
 
@@ -934,8 +986,9 @@ class LoopState:
 REWOUND_PARTS = ("episodes", "obs_normalizer", "return_normalizer", "intrinsic_rms")
 
 
-def reset_after_session(agent: Agent, optimizer, return_rms: ReturnNormalizer, loop: LoopState, labels: int, args: Args) -> None:
-    """When the first labels end exploration, the critic and return normaliser start afresh (they were fitted to RUNE)."""
+def reset_after_session(agent: Agent, optimizer, return_rms: ReturnNormalizer, loop: LoopState, labels: int, args):
+    """When the first labels end exploration, the critic and the return normaliser start afresh (they were fitted to
+    the intrinsic reward)."""
     if labels > 0 and not loop.learning_from_preferences:
         if args.unsupervised_exploration:
             agent.reset_critic(optimizer)
@@ -943,7 +996,13 @@ def reset_after_session(agent: Agent, optimizer, return_rms: ReturnNormalizer, l
         loop.learning_from_preferences = True
 
 
-def main(args: Args, on_evaluation: Callable[[int, float], None] | None = None, reward_training: Callable | None = None) -> dict:
+def sessions_due(step: int, explore_end: int, frequency: int, sessions: int) -> int:
+    """How many of the run's `sessions` feedback sessions are due after the rollout that reaches `step`: the first
+    after the rollout that ends exploration (`explore_end`), then one every `frequency` steps."""
+    return 0 if step <= explore_end else min(sessions, math.ceil((step - explore_end) / frequency))
+
+
+def main(args: Args, on_evaluation=None, reward_training: Callable | None = None) -> dict:
     """Train and return the run's summary. `on_evaluation(step, mean_return)` is called after every evaluation (a sweep
     reports and prunes with it). `reward_training(model, optimizer, prefs, rb, args, rng, device) -> stats` fits the
     reward model at every session (default train_reward_model, looked up at the call: a test may replace it); a variant
@@ -952,77 +1011,66 @@ def main(args: Args, on_evaluation: Callable[[int, float], None] | None = None, 
     reward_training = reward_training or train_reward_model
     run = Run(args, "pref_ppo", on_evaluation)
     with contextlib.ExitStack() as cleanup:  # closes what was opened however the run ends (a sweep may prune it)
-        # Built and reset before anything is written, so a bad env id, action space or simulator fails cleanly.
-        envs = make_vector_env(args)
-        cleanup.callback(envs.close)
+        envs = cleanup.enter_context(contextlib.closing(make_vector_env(args)))  # a bad env fails before any write
         obs, _ = envs.reset(seed=args.seed)
         obs_dim, action_space = int(np.prod(envs.single_observation_space.shape)), envs.single_action_space
         state_dim, action_input_dim = physics_state_size(envs.envs[0]), reward_action_dim(action_space)
-
         check_teacher_objective(args, obs_dim, action_input_dim, state_dim)  # before anything is written
         writer = run.start_logging(cleanup)
         device, rng = seed_everything(args)  # rng: minibatches, segment and k-NN sampling, held-out split
         hidden = (args.actor_hidden_dim, args.actor_hidden_layers, args.critic_hidden_dim, args.critic_hidden_layers)
         agent = Agent(obs_dim, action_space, *hidden).to(device)
-        optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5, fused=True)  # one kernel: 4x faster steps
+        optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5, fused=True)
         reward_net = (args.reward_ensemble_size, args.reward_net_hidden_dim, args.reward_net_hidden_layers)
         reward_model = RewardEnsemble(obs_dim + action_input_dim, *reward_net).to(device)
-        reward_optimizer = torch.optim.Adam(reward_model.parameters(), lr=args.reward_net_lr, fused=True)  # one kernel: 2.5x faster steps
+        reward_optimizer = torch.optim.Adam(reward_model.parameters(), lr=args.reward_net_lr, fused=True)
         rb = ReplayBuffer(min(args.buffer_size, args.total_timesteps), obs_dim, action_input_dim, state_dim)
         prefs = PreferenceBuffer(args.segment_length, obs_dim + action_input_dim, state_dim)
         rollout = RolloutBuffer(args.num_steps, args.num_envs, obs_dim, action_space.shape, action_input_dim, state_dim)
         obs_rms = ObservationNormalizer(obs_dim, enabled=args.normalize_obs)
         return_rms = ReturnNormalizer(args.num_envs, args.gamma, enabled=args.normalize_reward)
         intrinsic_rms, episodes = RunningMoments(), EpisodeTracker(args.num_envs)
-        teacher = make_teacher(args, rb, run.name, run.dir, run.video_dir)
-        cleanup.callback(teacher.close)
-        heldout_fraction = 0.0 if teacher.labels_are_free else args.reward_net_heldout_fraction  # free: measured on fresh pairs
-        label_log = LabelLog(run.dir / "labels.sqlite")
-        cleanup.callback(label_log.close)
-        schedule = feedback_schedule(
-            args.teacher_feedback_total_queries, args.teacher_feedback_num_queries_per_session,
-            args.teacher_feedback_schedule, args.teacher_feedback_exponential_decay,
-        )  # fmt: skip
+        teacher = cleanup.enter_context(contextlib.closing(make_teacher(args, rb, run.name, run.dir, run.video_dir)))
+        label_log = cleanup.enter_context(contextlib.closing(LabelLog(run.dir / "labels.sqlite")))
+        free = teacher.labels_are_free  # asking costs nothing: accuracy is measured on fresh pairs, no label held out
+        heldout_fraction = 0.0 if free else args.reward_net_heldout_fraction
+        budget = (args.teacher_feedback_total_queries, args.teacher_feedback_num_queries_per_session)
+        schedule = feedback_schedule(*budget, args.teacher_feedback_schedule, args.teacher_feedback_exponential_decay)
         batch_size = args.num_envs * args.num_steps
         num_iterations = args.total_timesteps // batch_size
         # Exploration ends at the first iteration boundary at or after --total-explore-steps.
-        explore_end = math.ceil(args.total_explore_steps / batch_size) * batch_size if args.unsupervised_exploration else 0
-        session = FeedbackSession()
-        parts = {
-            "agent": agent, "optimizer": optimizer, "reward_model": reward_model, "reward_optimizer": reward_optimizer,
-            "preference_buffer": prefs, "episodes": episodes, "obs_normalizer": obs_rms, "return_normalizer": return_rms,
-            "intrinsic_rms": intrinsic_rms, "teacher": teacher, "session": session,
-        }  # fmt: skip
-        if hasattr(reward_training, "state_dict"):  # a variant's reward training that carries state across sessions
-            parts["reward_training"] = reward_training
+        explore_end = math.ceil(args.total_explore_steps / batch_size) * batch_size
+        explore_end = explore_end if args.unsupervised_exploration else 0
+        session = FeedbackSession(teacher, label_log, args)  # the open session's pairs and answers
+        parts = {"agent": agent, "optimizer": optimizer, "reward_model": reward_model, "teacher": teacher}
+        parts |= {"reward_optimizer": reward_optimizer, "preference_buffer": prefs, "episodes": episodes}
+        parts |= {"obs_normalizer": obs_rms, "return_normalizer": return_rms, "intrinsic_rms": intrinsic_rms}
+        parts["session"] = session
+        parts |= {"reward_training": reward_training} if hasattr(reward_training, "state_dict") else {}  # a variant's
         loop, obs = run.restore(parts, rng, rb, envs, obs, LoopState())
         start, last_return = None, float("nan")  # start: where the running iteration began (IterationStart)
         predict_learned_rewards = functools.partial(predict_reward_arrays, reward_model, device)
 
-        def save_last() -> None:
-            state = run.state(parts, rng, loop, envs, obs) | session.rollback()  # in a reward update: the state before it
-            if start is not None:  # interrupted mid-iteration: the interrupted rollout's transitions are collected again
+        def save(folder: str | int) -> None:  # in a reward update: the state before it (session.rollback)
+            state = run.state(parts, rng, loop, envs, obs) | session.rollback()
+            if start is not None:  # stopped mid-iteration: the interrupted rollout is collected again
                 state = start.rewind(state, rb)
-            run.save("latest", state, rb)
+            run.save(folder, state, rb)
 
-        def session_due(done: int) -> bool:  # session done + 1 is due after this rollout (with --feedback-async: or later)
-            return loop.global_step > explore_end + done * args.teacher_feedback_frequency
-
-        def choose_pairs(number: int) -> dict:
+        def choose_pairs(number: int) -> dict:  # session `number`'s pairs, chosen by the reward model as it stands
             start.session_started = True  # the RNG runs on: the rollout is collected again, the session not asked again
             return session_pairs(number, schedule, reward_model, rb, args, rng, device)
 
-        with run.training(loop, num_iterations * batch_size, save_last):
-            while loop.iteration < num_iterations:
-                stop_here_if_requested()  # Ctrl-C, SIGTERM: stop here, between two iterations (or rewind to one)
+        with run.training(loop, num_iterations * batch_size, lambda: save("latest")):
+            for _ in run.iterations(loop, num_iterations):  # Ctrl-C, SIGTERM: stop between two iterations
                 start = IterationStart.capture(loop, parts, REWOUND_PARTS, rng, envs, obs, rb)
                 lr = set_learning_rate(optimizer, args, loop.iteration + 1, num_iterations)
 
-                # --- 1. rollout, copied into the replay buffer ---
+                # --- a rollout, copied into the replay buffer ---
                 rollout_start = loop.global_step
                 obs, finished = collect_rollout(envs, agent, obs_rms, rollout, obs, episodes, device)
                 loop.global_step += batch_size
-                teacher.training_progress(loop.global_step, loop.sessions_done, len(schedule))  # the page's news, never waits
+                teacher.training_progress(loop.global_step, loop.sessions_done, len(schedule))  # the page's news
                 loop.iteration += 1
                 step = loop.global_step
                 for t, _, episode_return, episode_length in finished:
@@ -1032,33 +1080,36 @@ def main(args: Args, on_evaluation: Callable[[int, float], None] | None = None, 
                 add_rollout_to_buffer(rb, rollout)
                 obs_rms.update(rollout.raw_obs[rollout.valid])  # for the next rollout: this one keeps its statistics
 
-                # --- 2. feedback session: select_queries -> teacher -> prefs -> train reward -> relabel -> reset critic ---
+                # --- feedback session: choose pairs, the teacher answers, fit, relabel, reset the critic, count ---
+                due = sessions_due(step, explore_end, args.teacher_feedback_frequency, len(schedule))
+                if not session.open and loop.sessions_done < due:
+                    number = loop.sessions_done + 1
+                    session.start(session.take_staged(number) or choose_pairs(number), number)  # choose pairs
                 last = loop.iteration == num_iterations
-                if session.ready(teacher, label_log, args, step, last, loop.sessions_done, len(schedule), session_due, choose_pairs):
-                    start.session_started = True  # the RNG runs on: the rollout is collected again, the session not asked again
+                if session.open and session.answers_in(step, last, due, choose_pairs):  # people: async, resumed
+                    start.session_started = True  # the RNG runs on: the rollout is collected again, not the session
                     with session.update(parts, rng, loop):  # one unit: Ctrl-C inside it saves the state before it
-                        record_labels(prefs, label_log, session, loop, heldout_fraction, rng, teacher)
+                        complete = record_labels(prefs, label_log, session, loop, heldout_fraction, rng, teacher)
                         reward_stats = reward_training(reward_model, reward_optimizer, prefs, rb, args, rng, device)
                         relabel_replay_buffer(reward_model, rb, device)
-                        reset_after_session(agent, optimizer, return_rms, loop, len(prefs), args)
+                        reset_after_session(agent, optimizer, return_rms, loop, len(prefs), args)  # the critic
+                        loop.sessions_done += complete
                         show_reward_model(teacher, session, prefs, rb, predict_learned_rewards, args, rng, step)
-                        metrics = reward_model_metrics(reward_model, prefs, rb, args, teacher.labels_are_free, loop.global_step, device)
+                        metrics = reward_model_metrics(reward_model, prefs, rb, args, free, step, device)
                         log_feedback_session(writer, loop, session, reward_stats, metrics, teacher.session_measures())
 
-                # --- 3. the rollout's rewards (learned + RUNE, or the state entropy while exploring), GAE, PPO update ---
+                # --- the rollout's rewards (learned + RUNE, or the state entropy while exploring), GAE, PPO update ---
                 if loop.learning_from_preferences:
                     beta = rune_beta(args.rune_beta, args.rune_beta_decay, rollout_start) if args.rune else 0.0
                     relabel_rollout(reward_model, rollout, device, beta)
                     slots = rollout.rb_index[rollout.valid]
-                    rb.learned_rewards[slots], rb.reward_std[slots] = (
-                        rollout.learned_rewards[rollout.valid],
-                        rollout.reward_std[rollout.valid],
-                    )
+                    rb.learned_rewards[slots] = rollout.learned_rewards[rollout.valid]
+                    rb.reward_std[slots] = rollout.reward_std[rollout.valid]
                     extra = {"rune/beta": beta} if args.rune else {}
                 elif args.unsupervised_exploration:
                     exploration_rewards(rollout, rb, intrinsic_rms, args, rng, device)
                     extra = {"exploration/intrinsic_reward": float(rollout.rewards[rollout.valid].mean())}
-                if loop.learning_from_preferences or args.unsupervised_exploration:  # else no labels yet: nothing to learn from
+                if loop.learning_from_preferences or args.unsupervised_exploration:  # else no labels yet: nothing
                     rewards = return_rms.scale(rollout.rewards, rollout.terminated | rollout.truncated, rollout.valid)
                     stats = train_on_rollout(agent, optimizer, rollout, rewards, args, rng, device)
                     log_update(writer, stats, step, extra | {"charts/learning_rate": lr})
@@ -1068,17 +1119,20 @@ def main(args: Args, on_evaluation: Callable[[int, float], None] | None = None, 
 
                 # --- evaluate, checkpoint ---
                 if explore_end > 0 and step == explore_end and not args.exploration_from:
-                    run.save(step, run.state(parts, rng, loop, envs, obs) | session.rollback(), rb)  # reusable: --exploration-from
-                if crossed(args.evaluation_frequency, step - batch_size, step) and loop.iteration < num_iterations:
+                    save(step)  # reusable: --exploration-from models/<run>/<step>
+                before_end = loop.iteration < num_iterations
+                if crossed(args.evaluation_frequency, step - batch_size, step) and before_end:
                     run.evaluate(NormalizedPolicy(agent, obs_rms), loop, device, teacher)
-                human_session = session_ended and teacher.people_answer  # people's labels: what a killed run must not lose
-                if (crossed(args.checkpoint_frequency, step - batch_size, step) or human_session) and loop.iteration < num_iterations:
-                    run.save("latest", run.state(parts, rng, loop, envs, obs) | session.rollback(), rb)
+                people = session_ended and teacher.people_answer  # people's labels: what a killed run must not lose
+                if (crossed(args.checkpoint_frequency, step - batch_size, step) or people) and before_end:
+                    save("latest")
 
-        session.settle(teacher, prefs, label_log, loop, heldout_fraction, rng)  # people's last changes, and whether they agree
+        if session.settle(teacher, prefs, label_log, loop, heldout_fraction, rng):  # people changed labels after the last
+            reward_training(reward_model, reward_optimizer, prefs, rb, args, rng, device)  # update: one more fit learns them
+            save("latest")
         if not run.interrupted:
             run.evaluate(NormalizedPolicy(agent, obs_rms), loop, device, teacher)
-        metrics = reward_model_metrics(reward_model, prefs, rb, args, teacher.labels_are_free, loop.global_step, device)
+        metrics = reward_model_metrics(reward_model, prefs, rb, args, free, loop.global_step, device)
         return run.finish(loop, metrics | session.idle_seconds())
 
 

@@ -7,6 +7,7 @@ import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ClassVar, Literal
 
 from cleanrlhf_utils.arguments import refuse_unknown_flags
 
@@ -22,26 +23,31 @@ from cleanrlhf_utils import envs as cleanrlhf_envs
 from cleanrlhf_utils.buffers import ReplayBuffer
 from cleanrlhf_utils.checkpoints import ResumeArgs, load_optimizer, validate_resume_args
 from cleanrlhf_utils.cli import cli
-from cleanrlhf_utils.envs import autoreset_pending, check_env_id, get_physics_state, physics_state_size
+from cleanrlhf_utils.envs import autoreset_pending, get_physics_state, physics_state_size
 from cleanrlhf_utils.errors import check_ranges, need
 from cleanrlhf_utils.networks import ensemble_mlp
-from cleanrlhf_utils.objectives import Objective, apply_objective, episode_end, step_rewards
+from cleanrlhf_utils.objectives import Objective, check_objective_settings, episode_end, step_rewards
 from cleanrlhf_utils.run import Run, RunArgs
-from cleanrlhf_utils.stopping import stop_here_if_requested
+from cleanrlhf_utils.speed import adam, compiled_steps
 from cleanrlhf_utils.tracking import AGENT_MEASURES, RecentMeans, log_update
-from cleanrlhf_utils.training import frozen, outputs_copied, seed_everything
+from cleanrlhf_utils.training import frozen, seed_everything
 
 
 @dataclass
 class SACArgs(RunArgs):
-    """Settings shared with the true-reward baseline sac.py: SAC and its environment."""
+    """SAC and the environment it acts in (shared with the true-reward baseline sac.py)."""
+
+    help_group: ClassVar[str] = "SAC"
 
     compile: bool = False
     """torch.compile the SAC update and acting (for a GPU; the first updates wait about a minute for the compiler)"""
     cudagraphs: bool = False
     """replay the compiled update and acting as CUDA graphs (a CUDA GPU only; implies --compile)"""
     env_id: str = "Hopper-v5"
-    """a Gymnasium MuJoCo id, dm_control/<domain>-<task>-v0, metaworld/<task>-v3 or module:Id (docs/reference/working-envs.md)"""
+    """a Gymnasium MuJoCo id, dm_control/<domain>-<task>-v0, metaworld/<task>-v3 or module:Id
+    (docs/reference/working-envs.md; python framework/list_envs.py checks one)"""
+    render_mode: Literal["human"] | None = None
+    """`human`: watch training live in a window (MuJoCo envs; needs a display, e.g. xvfb-run on a server)"""
     terminate_when_unhealthy: bool = True
     """end an episode when the robot falls (Hopper, Walker2d, Ant, Humanoid)"""
     terminate_when_tilted: bool = True
@@ -81,9 +87,12 @@ class SACArgs(RunArgs):
 
 
 SAC_RANGES = {
-    "total_timesteps": "> 0", "buffer_size": ">= 1", "learning_starts": ">= 1", "evaluation_frequency": ">= 0",
+    "total_timesteps": "> 0",
+    "buffer_size": ">= 1",
+    "learning_starts": ">= 1",
+    "evaluation_frequency": ">= 0",
     "evaluation_episodes": ">= 1",
-}  # fmt: skip
+}
 
 
 def validate_sac_args(args: SACArgs) -> None:
@@ -92,7 +101,8 @@ def validate_sac_args(args: SACArgs) -> None:
         not args.cudagraphs or (args.cuda and torch.cuda.is_available()),
         "--cudagraphs needs a CUDA GPU, and torch sees none here (or --no-cuda was given): drop --cudagraphs",
     )
-    check_env_id(args.env_id)
+    cleanrlhf_envs.check_env_id(args.env_id)
+    cleanrlhf_envs.check_render_mode(args.env_id, args.render_mode)
 
 
 def check_sac_actions(env_id: str, space: gym.Space) -> None:
@@ -102,15 +112,24 @@ def check_sac_actions(env_id: str, space: gym.Space) -> None:
         f"--env-id {env_id} has a {type(space).__name__} action space; SAC needs a continuous (Box) one",
     )
     bounds = np.abs(np.concatenate([space.low.ravel(), space.high.ravel()]))
-    need(
-        bool(np.all(bounds < 1e6)),
-        f"--env-id {env_id} has unbounded actions (bounds up to {bounds.max():.0e}); SAC squashes actions into finite bounds",
-    )
+    bounded, why = bool(np.all(bounds < 1e6)), "SAC squashes actions into finite bounds"
+    need(bounded, f"--env-id {env_id} has unbounded actions (bounds up to {bounds.max():.0e}); {why}")
 
 
-def make_env(env_id: str, seed: int, render_mode=None, width=320, height=240, terminate_when_unhealthy=True, **settings):
-    """cleanrlhf_utils' environment, refused unless SAC can act in it (settings: terminate_when_tilted, ends_episode)."""
-    return cleanrlhf_envs.make_env(env_id, seed, render_mode, width, height, terminate_when_unhealthy, check_sac_actions, **settings)
+def make_env(env_id: str, seed: int, render_mode=None, width=320, height=240, **settings):
+    """cleanrlhf_utils' environment, refused unless SAC can act in it (settings: terminate_when_unhealthy,
+    terminate_when_tilted, ends_episode)."""
+    settings["check_actions"] = check_sac_actions
+    return cleanrlhf_envs.make_env(env_id, seed, render_mode, width, height, **settings)
+
+
+def make_vector_env(args: SACArgs) -> gym.vector.SyncVectorEnv:
+    """The training environment: one env, reset at the step after an episode ends, ended where the run's objective
+    says (Objective.ends_episode), drawn in a window with --render-mode human."""
+    ends = {"terminate_when_unhealthy": args.terminate_when_unhealthy, "ends_episode": episode_end(args)}
+    ends["terminate_when_tilted"] = args.terminate_when_tilted
+    env = make_env(args.env_id, args.seed, args.render_mode, args.video_width, args.video_height, **ends)
+    return gym.vector.SyncVectorEnv([env], autoreset_mode=gym.vector.AutoresetMode.NEXT_STEP)
 
 
 # ----------------------------------------------------------------------------------------
@@ -131,24 +150,24 @@ class TwinQNetwork(nn.Module):
 class Actor(nn.Module):
     log_std_min, log_std_max = -5, 2  # the policy's log standard deviation lies in this range
 
-    def __init__(self, obs_dim: int, action_low: np.ndarray, action_high: np.ndarray, hidden_dim: int = 256, hidden_layers: int = 2):
+    def __init__(self, obs_dim: int, low: np.ndarray, high: np.ndarray, hidden_dim: int = 256, hidden_layers: int = 2):
         super().__init__()
         layers, width = [], obs_dim
         for _ in range(hidden_layers):
             layers += [nn.Linear(width, hidden_dim), nn.ReLU()]
             width = hidden_dim
         self.trunk = nn.Sequential(*layers)
-        action_dim = int(np.prod(action_low.shape))
+        action_dim = int(np.prod(low.shape))
         self.fc_mean = nn.Linear(width, action_dim)
         self.fc_logstd = nn.Linear(width, action_dim)
-        self.register_buffer("action_scale", torch.tensor((action_high - action_low) / 2.0, dtype=torch.float32))
-        self.register_buffer("action_bias", torch.tensor((action_high + action_low) / 2.0, dtype=torch.float32))
+        self.register_buffer("action_scale", torch.tensor((high - low) / 2.0, dtype=torch.float32))
+        self.register_buffer("action_bias", torch.tensor((high + low) / 2.0, dtype=torch.float32))
 
     def forward(self, x):
         x = self.trunk(x)
         mean = self.fc_mean(x)
         log_std = torch.tanh(self.fc_logstd(x))
-        log_std = self.log_std_min + 0.5 * (self.log_std_max - self.log_std_min) * (log_std + 1)  # From SpinUp / Denis Yarats
+        log_std = self.log_std_min + 0.5 * (self.log_std_max - self.log_std_min) * (log_std + 1)  # SpinUp / D. Yarats
         return mean, log_std
 
     def get_action(self, x):
@@ -171,44 +190,29 @@ class Actor(nn.Module):
         return torch.tanh(mean) * self.action_scale + self.action_bias
 
 
-def adam(params, lr: float, args: SACArgs) -> torch.optim.Adam:
-    """Adam on one fused kernel per tensor instead of a dozen element-wise ops (measured: 9 % of an update's CPU time
-    at one thread). Compiled, inductor fuses the plain (foreach) Adam itself; CUDA graphs need its state on the GPU."""
-    if args.compile or args.cudagraphs:
-        return torch.optim.Adam(params, lr=lr, foreach=True, capturable=args.cudagraphs)
-    return torch.optim.Adam(params, lr=lr, fused=True)
-
-
 class SACAgent:
     """Actor, twin critics with targets, and the (autotuned) entropy coefficient."""
 
     def __init__(self, obs_dim: int, action_space: gym.spaces.Box, args: SACArgs, device: torch.device):
         self.args, self.device = args, device
         self.obs_dim, self.action_dim = obs_dim, int(np.prod(action_space.shape))
-        self.actor = Actor(obs_dim, action_space.low, action_space.high, args.actor_hidden_dim, args.actor_hidden_layers).to(device)
+        actor_size = (args.actor_hidden_dim, args.actor_hidden_layers)
+        self.actor = Actor(obs_dim, action_space.low, action_space.high, *actor_size).to(device)
         self.actor_optimizer = adam(self.actor.parameters(), args.policy_lr, args)
         self.reset_critic()
         self.target_entropy = -float(self.action_dim)
         self.log_alpha = torch.full((1,), math.log(args.alpha), requires_grad=args.autotune, device=device)
         if args.autotune:
             self.alpha_optimizer = adam([self.log_alpha], args.q_lr, args)
-        # What runs every step, compiled with --compile (fused kernels) and replayed as CUDA graphs with --cudagraphs.
-        self.critic_step, self.actor_step, self.policy = self._critic_step, self._actor_step, self.actor.get_action
-        if args.compile or args.cudagraphs:
-            torch._inductor.config.fallback_random = True  # eager's random numbers: compiling keeps a run's results
-            mode = "reduce-overhead" if args.cudagraphs else None
-            self.critic_step = torch.compile(self._critic_step, mode=mode)
-            self.actor_step = torch.compile(self._actor_step, mode=mode)
-            self.policy = torch.compile(self.actor.get_action, mode=mode)
-        if args.cudagraphs:
-            self.critic_step, self.actor_step = outputs_copied(self.critic_step), outputs_copied(self.actor_step)
+        # What runs every step: compiled with --compile, replayed as CUDA graphs with --cudagraphs
+        steps = (self._critic_step, self._actor_step, self.actor.get_action)
+        self.critic_step, self.actor_step, self.policy = compiled_steps(args, *steps)
 
     def reset_critic(self) -> None:
         """PEBBLE re-initialises the critic after exploration: its values were for the intrinsic reward."""
-        self.qf = TwinQNetwork(self.obs_dim, self.action_dim, self.args.critic_hidden_dim, self.args.critic_hidden_layers).to(self.device)
-        self.qf_target = TwinQNetwork(self.obs_dim, self.action_dim, self.args.critic_hidden_dim, self.args.critic_hidden_layers).to(
-            self.device
-        )
+        size = (self.args.critic_hidden_dim, self.args.critic_hidden_layers)
+        self.qf = TwinQNetwork(self.obs_dim, self.action_dim, *size).to(self.device)
+        self.qf_target = TwinQNetwork(self.obs_dim, self.action_dim, *size).to(self.device)
         self.qf_target.load_state_dict(self.qf.state_dict())
         self.q_optimizer = adam(self.qf.parameters(), self.args.q_lr, self.args)
         self.qf_params, self.qf_target_params = list(self.qf.parameters()), list(self.qf_target.parameters())
@@ -278,7 +282,8 @@ class SACAgent:
 
     def state_dict(self) -> dict:
         parts = [*self.NETWORKS, *self.OPTIMIZERS[: 3 if self.args.autotune else 2]]
-        return {name: getattr(self, name).state_dict() for name in parts} | {"log_alpha": self.log_alpha.detach().clone()}
+        state = {name: getattr(self, name).state_dict() for name in parts}
+        return state | {"log_alpha": self.log_alpha.detach().clone()}
 
     def load_state_dict(self, state: dict) -> None:
         for name in self.NETWORKS:
@@ -296,11 +301,15 @@ class SACAgent:
 class Args(ResumeArgs, SACArgs):
     """SAC on the environment's true reward (the baseline of sac_rlhf.py), with checkpoints to resume from."""
 
+    help_group: ClassVar[str] = "SAC baseline"
+    first_flags: ClassVar[str] = "env_id total_timesteps seed reward_objective capture_video track run_name resume"
+    """the flags a newcomer sets, shown first by --help"""
+
     exp_name: str = "sac"
     """the name of this experiment (part of the run name)"""
     reward_objective: str = ""
-    """train on this objective's reward instead of the env's (a --teacher-objective name or module:function): the ceiling
-    of a preference run on that objective"""
+    """train on this objective's reward instead of the env's (a --teacher-objective name or module:function): the
+    ceiling of a preference run on that objective"""
 
 
 @dataclass
@@ -314,28 +323,26 @@ class LoopState:
     last_eval_return: float = float("nan")
 
 
-def main(args: Args, on_evaluation: Callable[[int, float], None] | None = None, objective: Objective | None = None) -> dict:
+def main(args: Args, on_evaluation: Callable[[int, float], None] | None = None, objective: Objective | None = None):
     """Train and return the run's summary. `on_evaluation(step, mean_return)` is called after every evaluation (a sweep
     reports and prunes with it). `objective`: a reward to train on in place of --reward-objective's (bench/reward_gap.py
     passes another run's learned reward, frozen)."""
     validate_sac_args(args)
     validate_resume_args(args)
-    measured = apply_objective(args, field="reward_objective")  # sets what it needs, e.g. no unhealthy termination
+    measured = check_objective_settings(args, "reward_objective")  # the env it is for, the settings it needs
     objective = objective or measured
     run = Run(args, "sac", on_evaluation)
     with contextlib.ExitStack() as cleanup:  # closes what was opened however the run ends (a sweep may prune it)
-        ends = {"terminate_when_tilted": args.terminate_when_tilted, "ends_episode": episode_end(args)}
-        env = make_env(args.env_id, args.seed, None, args.video_width, args.video_height, args.terminate_when_unhealthy, **ends)
-        envs = gym.vector.SyncVectorEnv([env], autoreset_mode=gym.vector.AutoresetMode.NEXT_STEP)
-        cleanup.callback(envs.close)
+        envs = cleanup.enter_context(contextlib.closing(make_vector_env(args)))
         writer = run.start_logging(cleanup)
         device, rng = seed_everything(args)
         obs, _ = envs.reset(seed=args.seed)
         obs_dim, action_space = int(np.prod(envs.single_observation_space.shape)), envs.single_action_space
         action_dim = int(np.prod(action_space.shape))
         agent = SACAgent(obs_dim, action_space, args, device)
-        rb = ReplayBuffer(min(args.buffer_size, args.total_timesteps), obs_dim, action_dim, physics_state_size(envs.envs[0]))
-        trained = rb.true_rewards if objective is None else rb.learned_rewards  # what SAC learns (true_rewards: the env's)
+        state_dim = physics_state_size(envs.envs[0])
+        rb = ReplayBuffer(min(args.buffer_size, args.total_timesteps), obs_dim, action_dim, state_dim)
+        trained = rb.true_rewards if objective is None else rb.learned_rewards  # what SAC learns (true: the env's)
         recent = RecentMeans(AGENT_MEASURES)  # summary.json's figures of the last updates
         loop, obs = run.restore({"agent": agent}, rng, rb, envs, obs, LoopState())
 
@@ -343,9 +350,7 @@ def main(args: Args, on_evaluation: Callable[[int, float], None] | None = None, 
             run.save("latest", run.state({"agent": agent}, rng, loop, envs, obs), rb)
 
         with run.training(loop, args.total_timesteps, save_last=checkpoint):
-            while loop.global_step < args.total_timesteps:
-                stop_here_if_requested()  # Ctrl-C, SIGTERM: stop here, between two steps, never inside one
-                step = loop.global_step
+            for step in run.steps(loop, args.total_timesteps):  # Ctrl-C, SIGTERM: stop between two steps
                 if step < args.learning_starts:
                     actions = rng.uniform(action_space.low, action_space.high, size=(1, action_dim)).astype(np.float32)
                 else:
@@ -354,8 +359,9 @@ def main(args: Args, on_evaluation: Callable[[int, float], None] | None = None, 
                 autoreset = bool(autoreset_pending(envs)[0])
                 next_obs, rewards, terminations, truncations, _ = envs.step(actions)
                 if not autoreset:  # next-step autoreset: the reset step is not a transition
-                    slot = rb.add(obs[0], next_obs[0], actions[0], rewards[0], terminations[0], loop.episode_id, physics_state)
-                    if objective is not None:  # --reward-objective: SAC learns the objective's reward of the step, not the env's
+                    transition = (obs[0], next_obs[0], actions[0], rewards[0], terminations[0], loop.episode_id)
+                    slot = rb.add(*transition, physics_state)
+                    if objective is not None:  # --reward-objective: SAC learns the objective's reward, not the env's
                         rewards = step_rewards(objective, obs, actions, physics_state[None])
                         rb.learned_rewards[slot] = rewards[0]
                     run.track_episode(loop, rewards[0], terminations[0] or truncations[0], writer, step)
@@ -364,8 +370,8 @@ def main(args: Args, on_evaluation: Callable[[int, float], None] | None = None, 
 
                 if step >= args.learning_starts:
                     idx = rb.sample_indices(args.batch_size, rng)
-                    batch = (torch.as_tensor(a[idx], device=device) for a in (rb.obs, rb.actions, trained, rb.next_obs, rb.terminated))
-                    stats = agent.update(*batch, step)
+                    arrays = (rb.obs, rb.actions, trained, rb.next_obs, rb.terminated)
+                    stats = agent.update(*(torch.as_tensor(array[idx], device=device) for array in arrays), step)
                     if step % 100 == 0:
                         log_update(writer, stats, step, {}, recent)
                 if step % 100 == 0:

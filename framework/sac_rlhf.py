@@ -1,12 +1,12 @@
-# PEBBLE: SAC trained only from preferences (Lee et al. 2021, https://arxiv.org/abs/2106.05091), with SURF (Park et al.
-# 2022), QPA (Hu et al. 2024) and RUNE (Liang et al. 2022), in CleanRL's single-file style.
+# PEBBLE: SAC trained only from preferences (Lee et al. 2021, https://arxiv.org/abs/2106.05091), with SURF (Park et
+# al. 2022), QPA (Hu et al. 2024) and RUNE (Liang et al. 2022), in CleanRL's single-file style.
 #
-# Read top to bottom: the settings, SAC (networks and update), preference learning (the reward ensemble and its
-# Bradley-Terry loss, query selection, the preference buffer, the schedule, reward training with SURF, the k-NN state
-# entropy, RUNE) and `main`, PEBBLE's algorithm box:
-#   1. random steps, then unsupervised exploration on the k-NN state-entropy reward;
-#   2. at every feedback session: select pairs, ask the teacher, fit the reward model (`train_reward_model`; a variant
-#      file passes its own to `main`), relabel the replay buffer, reset the critic after exploration;
+# Read top to bottom: the settings, SAC, preference learning (the preference model, the reward ensemble, query
+# selection, the preference buffer, the schedule, SURF's crops and pseudo-labels, reward training, the k-NN state
+# entropy, RUNE), the settings checks, and `main`, PEBBLE's algorithm box:
+#   1. random steps, then SAC on the k-NN state-entropy reward (unsupervised exploration);
+#   2. at every feedback session: choose pairs, the teacher answers, the labels enter the preference buffer, fit the
+#      reward model, relabel the replay buffer, reset the critic once exploration is over, count the session;
 #   3. SAC on the learned reward (plus RUNE's bonus) between sessions.
 # The preference-learning part is a deliberate copy of pref_ppo.py's (tests/test_lockstep.py holds them identical);
 # teachers, environments, buffers, checkpoints and logging live in cleanrlhf_utils.
@@ -15,7 +15,7 @@ import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 from cleanrlhf_utils.arguments import refuse_unknown_flags
 
@@ -33,7 +33,7 @@ from cleanrlhf_utils.buffers import PendingRewards, ReplayBuffer
 from cleanrlhf_utils.checkpoints import CheckpointArgs, load_optimizer, validate_checkpoint_args
 from cleanrlhf_utils.cli import cli
 from cleanrlhf_utils.diagnostics import reward_diagnostics
-from cleanrlhf_utils.envs import autoreset_pending, check_env_id, get_physics_state, physics_state_size
+from cleanrlhf_utils.envs import autoreset_pending, get_physics_state, physics_state_size
 from cleanrlhf_utils.errors import ConfigError, check_ranges, need  # noqa: F401 (callers catch sac_rlhf.ConfigError)
 from cleanrlhf_utils.feedback import (
     FeedbackArgs,
@@ -46,24 +46,32 @@ from cleanrlhf_utils.feedback import (
     validate_feedback_args,
 )
 from cleanrlhf_utils.networks import ensemble_mlp
-from cleanrlhf_utils.objectives import apply_objective, episode_end, load_objective
+from cleanrlhf_utils.objectives import check_objective_settings, episode_end, load_objective
 from cleanrlhf_utils.presets import PresetArgs
 from cleanrlhf_utils.run import Run, RunArgs
-from cleanrlhf_utils.stopping import stop_here_if_requested
+from cleanrlhf_utils.speed import adam, compiled_steps, kth_nearest_distance
 from cleanrlhf_utils.tracking import AGENT_MEASURES, RecentMeans, log_feedback_session, log_update
-from cleanrlhf_utils.training import RunningMoments, frozen, outputs_copied, seed_everything
+from cleanrlhf_utils.training import RunningMoments, frozen, seed_everything
 
 
+# ----------------------------------------------------------------------------------------
+# Settings. --help shows them in titled groups: first `first_flags`, then one group per class (`help_group`).
+# ----------------------------------------------------------------------------------------
 @dataclass
 class SACArgs(RunArgs):
-    """Settings shared with the true-reward baseline sac.py: SAC and its environment."""
+    """SAC and the environment it acts in (shared with the true-reward baseline sac.py)."""
+
+    help_group: ClassVar[str] = "SAC"
 
     compile: bool = False
     """torch.compile the SAC update and acting (for a GPU; the first updates wait about a minute for the compiler)"""
     cudagraphs: bool = False
     """replay the compiled update and acting as CUDA graphs (a CUDA GPU only; implies --compile)"""
     env_id: str = "Hopper-v5"
-    """a Gymnasium MuJoCo id, dm_control/<domain>-<task>-v0, metaworld/<task>-v3 or module:Id (docs/reference/working-envs.md)"""
+    """a Gymnasium MuJoCo id, dm_control/<domain>-<task>-v0, metaworld/<task>-v3 or module:Id
+    (docs/reference/working-envs.md; python framework/list_envs.py checks one)"""
+    render_mode: Literal["human"] | None = None
+    """`human`: watch training live in a window (MuJoCo envs; needs a display, e.g. xvfb-run on a server)"""
     terminate_when_unhealthy: bool = True
     """end an episode when the robot falls (Hopper, Walker2d, Ant, Humanoid)"""
     terminate_when_tilted: bool = True
@@ -104,7 +112,10 @@ class SACArgs(RunArgs):
 
 @dataclass
 class PreferenceArgs:
-    """Settings of preference learning (identical in sac_rlhf.py and pref_ppo.py)."""
+    """Preference learning: exploration, the reward model, the label schedule, query selection, SURF, QPA and RUNE
+    (identical in sac_rlhf.py and pref_ppo.py)."""
+
+    help_group: ClassVar[str] = "preference learning"
 
     unsupervised_exploration: bool = True
     """before the first feedback session, learn on PEBBLE's k-NN state-entropy reward"""
@@ -150,6 +161,8 @@ class PreferenceArgs:
     """candidate pool size = factor x queries (disagree, entropy)"""
     surf: bool = True
     """SURF: pseudo-labelled pairs and temporal crops in reward training"""
+    surf_sampling_strategy: Literal["uniform", "disagree", "entropy"] = "uniform"
+    """SURF: how the unlabelled pairs are drawn (as --preference-sampling draws queries; SURF's: uniform)"""
     unlabeled_batch_ratio: int = 1
     """SURF: pseudo-labelled pairs per labelled pair in a batch"""
     surf_tau: float = 0.999
@@ -176,15 +189,24 @@ class PreferenceArgs:
 class Args(CheckpointArgs, FeedbackArgs, PreferenceArgs, SACArgs, PresetArgs):
     """PEBBLE's settings: SAC's, preference learning's, the teacher's, checkpoints' and the --preset they start from."""
 
+    help_group: ClassVar[str] = "PEBBLE"
+
+    first_flags: ClassVar[str] = (
+        "env_id total_timesteps preset seed teacher_feedback_mode teacher_feedback_total_queries teacher_objective "
+        "feedback_server_autostart capture_video track run_name resume"
+    )
+    """the flags a newcomer sets, shown first by --help"""
+
     exp_name: str = "sac_rlhf"
     """the name of this experiment (part of the run name)"""
-
     qpa_hybrid_ratio: float = 0.0
-    """QPA: this share of every SAC batch comes from the last --qpa-query-episodes episodes while sessions remain (QPA: 0.5)"""
-    reset_agent_below_correlation: float = -1.0
-    """start SAC afresh after a session whose relabel correlates below this with the rewards before it (-1: never)"""
+    """QPA: this share of every SAC batch comes from the last --qpa-query-episodes episodes while sessions remain
+    (QPA: 0.5)"""
 
 
+# ----------------------------------------------------------------------------------------
+# SAC. The twin critics are one 2-member batched network (cleanrlhf_utils.networks).
+# ----------------------------------------------------------------------------------------
 def check_sac_actions(env_id: str, space: gym.Space) -> None:
     """SAC squashes a Gaussian into the action bounds: it needs a continuous (Box), bounded action space."""
     need(
@@ -192,20 +214,26 @@ def check_sac_actions(env_id: str, space: gym.Space) -> None:
         f"--env-id {env_id} has a {type(space).__name__} action space; SAC needs a continuous (Box) one",
     )
     bounds = np.abs(np.concatenate([space.low.ravel(), space.high.ravel()]))
-    need(
-        bool(np.all(bounds < 1e6)),
-        f"--env-id {env_id} has unbounded actions (bounds up to {bounds.max():.0e}); SAC squashes actions into finite bounds",
-    )
+    bounded, why = bool(np.all(bounds < 1e6)), "SAC squashes actions into finite bounds"
+    need(bounded, f"--env-id {env_id} has unbounded actions (bounds up to {bounds.max():.0e}); {why}")
 
 
-def make_env(env_id: str, seed: int, render_mode=None, width=320, height=240, terminate_when_unhealthy=True, **settings):
-    """cleanrlhf_utils' environment, refused unless SAC can act in it (settings: terminate_when_tilted, ends_episode)."""
-    return cleanrlhf_envs.make_env(env_id, seed, render_mode, width, height, terminate_when_unhealthy, check_sac_actions, **settings)
+def make_env(env_id: str, seed: int, render_mode=None, width=320, height=240, **settings):
+    """cleanrlhf_utils' environment, refused unless SAC can act in it (settings: terminate_when_unhealthy,
+    terminate_when_tilted, ends_episode)."""
+    settings["check_actions"] = check_sac_actions
+    return cleanrlhf_envs.make_env(env_id, seed, render_mode, width, height, **settings)
 
 
-# ----------------------------------------------------------------------------------------
-# SAC. The twin critics are one 2-member batched network (cleanrlhf_utils.networks).
-# ----------------------------------------------------------------------------------------
+def make_vector_env(args: SACArgs) -> gym.vector.SyncVectorEnv:
+    """The training environment: one env, reset at the step after an episode ends, ended where the run's objective
+    says (Objective.ends_episode), drawn in a window with --render-mode human."""
+    ends = {"terminate_when_unhealthy": args.terminate_when_unhealthy, "ends_episode": episode_end(args)}
+    ends["terminate_when_tilted"] = args.terminate_when_tilted
+    env = make_env(args.env_id, args.seed, args.render_mode, args.video_width, args.video_height, **ends)
+    return gym.vector.SyncVectorEnv([env], autoreset_mode=gym.vector.AutoresetMode.NEXT_STEP)
+
+
 class TwinQNetwork(nn.Module):
     """SAC's two critics as one 2-member batched network; returns Q values of shape (2, B)."""
 
@@ -221,24 +249,24 @@ class TwinQNetwork(nn.Module):
 class Actor(nn.Module):
     log_std_min, log_std_max = -5, 2  # the policy's log standard deviation lies in this range
 
-    def __init__(self, obs_dim: int, action_low: np.ndarray, action_high: np.ndarray, hidden_dim: int = 256, hidden_layers: int = 2):
+    def __init__(self, obs_dim: int, low: np.ndarray, high: np.ndarray, hidden_dim: int = 256, hidden_layers: int = 2):
         super().__init__()
         layers, width = [], obs_dim
         for _ in range(hidden_layers):
             layers += [nn.Linear(width, hidden_dim), nn.ReLU()]
             width = hidden_dim
         self.trunk = nn.Sequential(*layers)
-        action_dim = int(np.prod(action_low.shape))
+        action_dim = int(np.prod(low.shape))
         self.fc_mean = nn.Linear(width, action_dim)
         self.fc_logstd = nn.Linear(width, action_dim)
-        self.register_buffer("action_scale", torch.tensor((action_high - action_low) / 2.0, dtype=torch.float32))
-        self.register_buffer("action_bias", torch.tensor((action_high + action_low) / 2.0, dtype=torch.float32))
+        self.register_buffer("action_scale", torch.tensor((high - low) / 2.0, dtype=torch.float32))
+        self.register_buffer("action_bias", torch.tensor((high + low) / 2.0, dtype=torch.float32))
 
     def forward(self, x):
         x = self.trunk(x)
         mean = self.fc_mean(x)
         log_std = torch.tanh(self.fc_logstd(x))
-        log_std = self.log_std_min + 0.5 * (self.log_std_max - self.log_std_min) * (log_std + 1)  # From SpinUp / Denis Yarats
+        log_std = self.log_std_min + 0.5 * (self.log_std_max - self.log_std_min) * (log_std + 1)  # SpinUp / D. Yarats
         return mean, log_std
 
     def get_action(self, x):
@@ -261,44 +289,29 @@ class Actor(nn.Module):
         return torch.tanh(mean) * self.action_scale + self.action_bias
 
 
-def adam(params, lr: float, args: SACArgs) -> torch.optim.Adam:
-    """Adam on one fused kernel per tensor instead of a dozen element-wise ops (measured: 9 % of an update's CPU time
-    at one thread). Compiled, inductor fuses the plain (foreach) Adam itself; CUDA graphs need its state on the GPU."""
-    if args.compile or args.cudagraphs:
-        return torch.optim.Adam(params, lr=lr, foreach=True, capturable=args.cudagraphs)
-    return torch.optim.Adam(params, lr=lr, fused=True)
-
-
 class SACAgent:
     """Actor, twin critics with targets, and the (autotuned) entropy coefficient."""
 
     def __init__(self, obs_dim: int, action_space: gym.spaces.Box, args: SACArgs, device: torch.device):
         self.args, self.device = args, device
         self.obs_dim, self.action_dim = obs_dim, int(np.prod(action_space.shape))
-        self.actor = Actor(obs_dim, action_space.low, action_space.high, args.actor_hidden_dim, args.actor_hidden_layers).to(device)
+        actor_size = (args.actor_hidden_dim, args.actor_hidden_layers)
+        self.actor = Actor(obs_dim, action_space.low, action_space.high, *actor_size).to(device)
         self.actor_optimizer = adam(self.actor.parameters(), args.policy_lr, args)
         self.reset_critic()
         self.target_entropy = -float(self.action_dim)
         self.log_alpha = torch.full((1,), math.log(args.alpha), requires_grad=args.autotune, device=device)
         if args.autotune:
             self.alpha_optimizer = adam([self.log_alpha], args.q_lr, args)
-        # What runs every step, compiled with --compile (fused kernels) and replayed as CUDA graphs with --cudagraphs.
-        self.critic_step, self.actor_step, self.policy = self._critic_step, self._actor_step, self.actor.get_action
-        if args.compile or args.cudagraphs:
-            torch._inductor.config.fallback_random = True  # eager's random numbers: compiling keeps a run's results
-            mode = "reduce-overhead" if args.cudagraphs else None
-            self.critic_step = torch.compile(self._critic_step, mode=mode)
-            self.actor_step = torch.compile(self._actor_step, mode=mode)
-            self.policy = torch.compile(self.actor.get_action, mode=mode)
-        if args.cudagraphs:
-            self.critic_step, self.actor_step = outputs_copied(self.critic_step), outputs_copied(self.actor_step)
+        # What runs every step: compiled with --compile, replayed as CUDA graphs with --cudagraphs
+        steps = (self._critic_step, self._actor_step, self.actor.get_action)
+        self.critic_step, self.actor_step, self.policy = compiled_steps(args, *steps)
 
     def reset_critic(self) -> None:
         """PEBBLE re-initialises the critic after exploration: its values were for the intrinsic reward."""
-        self.qf = TwinQNetwork(self.obs_dim, self.action_dim, self.args.critic_hidden_dim, self.args.critic_hidden_layers).to(self.device)
-        self.qf_target = TwinQNetwork(self.obs_dim, self.action_dim, self.args.critic_hidden_dim, self.args.critic_hidden_layers).to(
-            self.device
-        )
+        size = (self.args.critic_hidden_dim, self.args.critic_hidden_layers)
+        self.qf = TwinQNetwork(self.obs_dim, self.action_dim, *size).to(self.device)
+        self.qf_target = TwinQNetwork(self.obs_dim, self.action_dim, *size).to(self.device)
         self.qf_target.load_state_dict(self.qf.state_dict())
         self.q_optimizer = adam(self.qf.parameters(), self.args.q_lr, self.args)
         self.qf_params, self.qf_target_params = list(self.qf.parameters()), list(self.qf_target.parameters())
@@ -368,7 +381,8 @@ class SACAgent:
 
     def state_dict(self) -> dict:
         parts = [*self.NETWORKS, *self.OPTIMIZERS[: 3 if self.args.autotune else 2]]
-        return {name: getattr(self, name).state_dict() for name in parts} | {"log_alpha": self.log_alpha.detach().clone()}
+        state = {name: getattr(self, name).state_dict() for name in parts}
+        return state | {"log_alpha": self.log_alpha.detach().clone()}
 
     def load_state_dict(self, state: dict) -> None:
         for name in self.NETWORKS:
@@ -381,8 +395,37 @@ class SACAgent:
 
 # ----------------------------------------------------------------------------------------
 # Preference learning (a deliberate copy in sac_rlhf.py and pref_ppo.py: tests/test_lockstep.py)
-# The reward model: an ensemble of MLPs on (obs, action), trained with Bradley-Terry
 # ----------------------------------------------------------------------------------------
+class BradleyTerry:
+    """The preference model: how a pair's predicted returns R (..., 2), each the summed reward of one segment, turn
+    into a teacher's choice, P(segment 1 > segment 0) = sigmoid(R1 - R0), and the loss that fits it to labels (...):
+    1 = segment 1 preferred, 0 = segment 0, 0.5 = a tie. The one place that states the model: reward training, SURF's
+    confidence test and pseudo-label loss, query selection (disagreement, entropy), accuracy, RIME's selection and the
+    mistake-aware loss all ask PREFERENCE_MODEL, so a model assigned there reaches every one of them. Bradley-Terry is
+    Plackett-Luce for k = 2 clips: a model of rankings of k clips (returns (..., k)) or of ratings answers the same
+    four questions."""
+
+    def probability(self, returns: torch.Tensor) -> torch.Tensor:
+        """P(segment 1 > segment 0) of each pair: (..., 2) -> (...)."""
+        return torch.sigmoid(returns[..., 1] - returns[..., 0])
+
+    def log_probabilities(self, returns: torch.Tensor) -> torch.Tensor:
+        """log P(segment 0 preferred), log P(segment 1 preferred): (..., 2) -> (..., 2)."""
+        margin = returns[..., 1] - returns[..., 0]
+        return torch.stack([F.logsigmoid(-margin), F.logsigmoid(margin)], dim=-1)
+
+    def loss(self, returns: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The labels' negative log-likelihood, averaged over pairs (and members): cross-entropy of sigmoid(R1 - R0)."""
+        return F.binary_cross_entropy_with_logits(returns[..., 1] - returns[..., 0], labels)
+
+    def label_losses(self, probability: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Each label's negative log-likelihood given the model's P(segment 1 > segment 0) of its pair (...)."""
+        return F.binary_cross_entropy(probability.clamp(1e-7, 1 - 1e-7), labels, reduction="none")
+
+
+PREFERENCE_MODEL = BradleyTerry()
+"""the preference model every part of preference learning asks (looked up at each call)"""
+
 RELABEL_CHUNK = 1024
 """transitions per forward pass when relabelling: 1024 keeps the activations in cache (bench/relabel.py)"""
 
@@ -390,11 +433,12 @@ RELABEL_CHUNK = 1024
 class RewardEnsemble(nn.Module):
     """r_e(s, a) for every member e in one batched network; outputs lie in (-1, 1) (tanh, as PEBBLE)."""
 
-    def __init__(self, input_dim: int, ensemble_size: int = 3, hidden_dim: int = 256, hidden_layers: int = 3, dropout: float = 0.0):
+    def __init__(self, input_dim: int, ensemble_size=3, hidden_dim=256, hidden_layers=3, dropout: float = 0.0):
         super().__init__()
         self.ensemble_size = ensemble_size
-        self.net = ensemble_mlp(ensemble_size, input_dim, hidden_dim, hidden_layers, 1, activation=nn.LeakyReLU, dropout=dropout)
-        # Identity until set_input_statistics: raw inputs generalised worse to the policy's later data (reward_learning bench)
+        size = (hidden_dim, hidden_layers, 1)
+        self.net = ensemble_mlp(ensemble_size, input_dim, *size, activation=nn.LeakyReLU, dropout=dropout)
+        # Identity until set_input_statistics: raw inputs generalised worse to the policy's later data (reward_learning)
         self.register_buffer("input_mean", torch.zeros(input_dim))
         self.register_buffer("input_std", torch.ones(input_dim))
 
@@ -418,24 +462,17 @@ class RewardEnsemble(nn.Module):
         return torch.tanh(out).reshape(shape)
 
 
-def bradley_terry_loss(returns: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy of P(segment 1 > segment 0) = sigmoid(R1 - R0) against labels in {0, 0.5, 1}.
-
-    returns: (..., 2) summed predicted rewards; labels: (...) with 1 = segment 1 preferred, 0.5 = tie.
-    Averaged over pairs (and members)."""
-    return F.binary_cross_entropy_with_logits(returns[..., 1] - returns[..., 0], labels)
-
-
-def preference_probabilities(model: RewardEnsemble, segments: torch.Tensor, masks: torch.Tensor, chunk: int = 10) -> torch.Tensor:
+def preference_probabilities(model: RewardEnsemble, segments, masks, chunk: int = 10) -> torch.Tensor:
     """P_e(segment 1 > segment 0) for each member: segments (N, 2, L, D), masks (N, 2, L) -> (E, N), in eval mode.
     Scored `chunk` pairs at a time: a query pool in one pass held over 1 GB of activations at 1000 pairs, and about
     1000 rows a pass is also the fastest (bench/relabel.py)."""
     was_training = model.training
     model.eval()
     with torch.no_grad():
-        returns = torch.cat([(model(s) * m).sum(-1) for s, m in zip(segments.split(chunk), masks.split(chunk))], dim=1)
+        pairs = zip(segments.split(chunk), masks.split(chunk))
+        returns = torch.cat([(model(s) * m).sum(-1) for s, m in pairs], dim=1)
     model.train(was_training)
-    return torch.sigmoid(returns[..., 1] - returns[..., 0])
+    return PREFERENCE_MODEL.probability(returns)
 
 
 def disagreement_scores(probabilities: torch.Tensor) -> torch.Tensor:
@@ -473,8 +510,9 @@ def relabel_replay_buffer(model: RewardEnsemble, rb: ReplayBuffer, device: torch
         rb.learned_rewards[idx], rb.reward_std[idx] = mean.cpu().numpy(), std.cpu().numpy()
 
 
-# --- Preference buffer: the labelled segments themselves, never indices into the replay buffer ---
 class PreferenceBuffer:
+    """The labelled segments themselves (never indices into the replay buffer, which moves on)."""
+
     FIELDS = ("obs_actions", "masks", "true_rewards", "physics_states", "labels", "heldout", "global_steps")
 
     def __init__(self, segment_length: int, input_dim: int, state_dim: int):
@@ -491,8 +529,9 @@ class PreferenceBuffer:
 
     def add(self, obs_actions, masks, true_rewards, physics_states, labels, heldout, global_step: int) -> None:
         steps = np.full(len(labels), global_step, dtype=np.int64)
-        for name, values in zip(self.FIELDS, (obs_actions, masks, true_rewards, physics_states, labels, heldout, steps), strict=True):
-            setattr(self, name, np.concatenate([getattr(self, name), values.astype(getattr(self, name).dtype)]))
+        values = (obs_actions, masks, true_rewards, physics_states, labels, heldout, steps)
+        for name, value in zip(self.FIELDS, values, strict=True):
+            setattr(self, name, np.concatenate([getattr(self, name), value.astype(getattr(self, name).dtype)]))
 
     def split(self, heldout: bool) -> np.ndarray:
         return np.flatnonzero(self.heldout == heldout)
@@ -505,7 +544,7 @@ class PreferenceBuffer:
             setattr(self, name, np.asarray(state[name]))
 
 
-def preference_accuracy(model: RewardEnsemble, prefs: PreferenceBuffer, indices: np.ndarray, device, chunk: int = 256) -> float:
+def preference_accuracy(model: RewardEnsemble, prefs: PreferenceBuffer, indices, device, chunk: int = 256) -> float:
     """Agreement of the ensemble-mean preference with the non-tie labels at `indices`."""
     indices = indices[prefs.labels[indices] != 0.5]
     if len(indices) == 0:
@@ -521,14 +560,12 @@ def preference_accuracy(model: RewardEnsemble, prefs: PreferenceBuffer, indices:
 
 
 # --- Query selection: uniform, disagreement, entropy ---
-def select_queries(
-    strategy: str, model, rb: ReplayBuffer, num_queries: int, segment_length: int, pool_factor: int, rng, device, recent_episodes=0
-):
+def select_queries(strategy: str, model, rb, num_queries: int, length: int, pool_factor: int, rng, device, recent=0):
     """Indices (num_queries, 2, L) and masks of the pairs to ask about: `num_queries` of a pool `pool_factor` times as
-    large with the highest disagreement or entropy (or simply drawn, `uniform`); from the last `recent_episodes`
-    episodes only when it is set (QPA)."""
+    large with the highest disagreement or entropy (or simply drawn, `uniform`); from the last `recent` episodes only
+    when it is set (QPA)."""
     pool = num_queries if strategy == "uniform" else num_queries * pool_factor
-    idx, mask = rb.sample_segment_pairs(pool, segment_length, rng, recent_episodes)
+    idx, mask = rb.sample_segment_pairs(pool, length, rng, recent)
     if strategy == "uniform":
         return idx, mask
     segments = torch.as_tensor(rb.obs_actions(idx), device=device)
@@ -542,14 +579,11 @@ def session_pairs(number: int, schedule: list[int], model: RewardEnsemble, rb: R
     """Feedback session `number`'s pairs (rb.gather_segments), chosen by the reward model as it stands. The first
     session samples uniformly: an untrained ensemble's disagreement carries no information."""
     strategy = "uniform" if number == 1 else args.preference_sampling
-    idx, mask = select_queries(
-        strategy, model, rb, schedule[number - 1], args.segment_length, args.preference_sampling_pool_factor, rng, device,
-        args.qpa_query_episodes,
-    )  # fmt: skip
+    pool = (args.segment_length, args.preference_sampling_pool_factor)
+    idx, mask = select_queries(strategy, model, rb, schedule[number - 1], *pool, rng, device, args.qpa_query_episodes)
     return rb.gather_segments(idx, mask)
 
 
-# --- Feedback schedule ---
 def feedback_schedule(total_queries: int, queries_per_session: int, kind: str, decay: float = 0.8) -> list[int]:
     """Queries per session; the counts add up to total_queries exactly (largest-remainder rounding)."""
     if total_queries == 0:
@@ -563,14 +597,60 @@ def feedback_schedule(total_queries: int, queries_per_session: int, kind: str, d
     return [int(c) for c in counts if c > 0]
 
 
-# --- Reward-model training: Bradley-Terry, with SURF's temporal crops and pseudo-labels and QPA's extra crops ---
-def reward_epoch(
-    model: RewardEnsemble, optimizer, pairs: tuple, active: torch.Tensor, rb: ReplayBuffer, args, rng, device, loss_fn=bradley_terry_loss
-) -> dict:
+# --- SURF: temporal crops and pseudo-labels ---
+def crop_segments(segments, masks, min_offset: int, max_offset: int, cut_out: bool = True) -> tuple:
+    """SURF's temporal crops of pairs, segments (..., 2, L, D) with masks (..., 2, L): each segment keeps a window at
+    its own random start; both segments of a pair keep the same random length in [L - max_offset, L - min_offset],
+    since comparing summed rewards over unequal lengths biases the label. `cut_out`: the window of L - min_offset
+    steps that holds each crop, with the crop's mask (only those steps are computed); else the whole segments with
+    the crops as their masks (the same draws, the same returns)."""
+    shape, length = masks.shape[:-1], masks.shape[-1]
+    crop_len = torch.randint(length - max_offset, length - min_offset + 1, shape[:-1])[..., None].expand(shape)
+    start = (torch.rand(shape) * (length - crop_len + 1)).long()
+    steps = torch.arange(length)
+    crops = ((steps >= start[..., None]) & (steps < (start + crop_len)[..., None])).to(masks.device)
+    if not cut_out:
+        return segments, masks * crops
+    width = length - min_offset
+    steps = crops.float().argmax(-1, keepdim=True).clamp_max(length - width) + torch.arange(width, device=masks.device)
+    return segments.take_along_dim(steps[..., None], dim=-2), (masks * crops).take_along_dim(steps, dim=-1)
+
+
+def pseudo_labels(probabilities: torch.Tensor, tau: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hard labels from the ensemble-mean preference and the mask of pairs confident beyond tau."""
+    mean = probabilities.mean(0)
+    confident = (mean > tau) | (mean < 1 - tau)
+    return (mean > 0.5).float(), confident
+
+
+def surf_loss(model: RewardEnsemble, rb: ReplayBuffer, num_pairs: int, args, rng, device) -> tuple[torch.Tensor, int]:
+    """Pseudo-label loss on cropped unlabelled pairs (drawn as --surf-sampling-strategy says) whose ensemble-mean
+    preference is beyond tau."""
+    pool = (args.segment_length, args.preference_sampling_pool_factor)
+    idx, mask = select_queries(args.surf_sampling_strategy, model, rb, num_pairs, *pool, rng, device)
+    segments = torch.as_tensor(rb.obs_actions(idx), device=device)
+    masks = torch.as_tensor(mask, device=device, dtype=torch.float32)
+    segments, masks = crop_segments(segments, masks, args.min_augmentation_offset, args.max_augmentation_offset)
+    with torch.no_grad():  # find the confident pairs first: only they take part in the backward pass
+        returns = (model(segments) * masks).sum(-1)  # (E, n, 2)
+        labels, confident = pseudo_labels(PREFERENCE_MODEL.probability(returns), args.surf_tau)
+    if not confident.any():
+        return torch.zeros((), device=device), 0
+    ensemble = model.ensemble_size
+    returns = (model(segments[confident]) * masks[confident]).sum(-1)
+    loss = PREFERENCE_MODEL.loss(returns, labels[confident].expand(ensemble, -1)) * ensemble
+    return loss, int(confident.sum())
+
+
+# --- Reward-model training: the preference model's loss, with SURF's crops and pseudo-labels and QPA's crops ---
+def reward_epoch(model: RewardEnsemble, optimizer, pairs: tuple, active, rb, args, rng, device, loss_fn=None) -> dict:
     """One epoch over the labelled pairs (segments, masks, labels) at `active`: every member sees its own shuffle, each
-    pair once plus --qpa-augmentations cropped copies (all copies cropped with SURF), with SURF's pseudo-label loss."""
+    pair once plus --qpa-augmentations cropped copies (all copies cropped with SURF), with SURF's pseudo-label loss.
+    `loss_fn(returns, labels)`: the labelled pairs' loss (default: PREFERENCE_MODEL.loss)."""
+    loss_fn = loss_fn or PREFERENCE_MODEL.loss
     all_segments, all_masks, all_labels = pairs
     ensemble, labelled, copies = model.ensemble_size, len(active), 1 + args.qpa_augmentations
+    offsets = (args.min_augmentation_offset, args.max_augmentation_offset)
     order = torch.argsort(torch.rand(ensemble, labelled * copies), dim=1)  # entries >= labelled are augmented copies
     losses, ssl_losses, pseudo = [], [], 0
     for start in range(0, labelled * copies, args.reward_net_batch_size):
@@ -579,10 +659,10 @@ def reward_epoch(
         segments, masks, labels = all_segments[chosen], all_masks[chosen], all_labels[chosen]
         cropped = batch >= labelled
         if args.surf:  # every copy cropped: cut the crops out, the steps outside them are not computed
-            segments, masks = crop_segments(segments, masks, args.min_augmentation_offset, args.max_augmentation_offset)
+            segments, masks = crop_segments(segments, masks, *offsets)
         elif cropped.any():  # only QPA's copies: mask them, their batch mixes with whole segments
-            crops = temporal_crop_masks(masks.shape[:-1], args.segment_length, args.min_augmentation_offset, args.max_augmentation_offset)
-            masks = torch.where(cropped[..., None, None].to(device), masks * crops.to(device), masks)
+            _, crops = crop_segments(segments, masks, *offsets, cut_out=False)
+            masks = torch.where(cropped[..., None, None].to(device), crops, masks)
         returns = (model.forward_members(segments) * masks).sum(-1)  # (E, b, 2)
         loss = loss_fn(returns, labels) * ensemble  # summed over members
         if args.surf and args.unlabeled_batch_ratio > 0:
@@ -598,11 +678,10 @@ def reward_epoch(
     return {"train_loss": float(np.mean(losses)), "ssl_loss": ssl, "pseudo_labels": pseudo, "steps": len(losses)}
 
 
-def train_reward_model(
-    model: RewardEnsemble, optimizer, prefs: PreferenceBuffer, rb: ReplayBuffer, args, rng, device, loss_fn=bradley_terry_loss
-) -> dict:
-    """Fits the ensemble to the training split of the labels, epoch after epoch (reward_epoch), until its accuracy on
-    them reaches --reward-net-target-accuracy or --reward-net-epochs have run. Returns the last epoch's figures."""
+def train_reward_model(model: RewardEnsemble, optimizer, prefs, rb, args, rng, device, loss_fn=None) -> dict:
+    """Fits the ensemble to the training split of the labels, epoch after epoch (reward_epoch, with `loss_fn`), until
+    its accuracy on them reaches --reward-net-target-accuracy or --reward-net-epochs have run. Returns the last
+    epoch's figures."""
     train_idx = prefs.split(heldout=False)
     stats = {"train_loss": float("nan"), "ssl_loss": 0.0, "pseudo_labels": 0, "epochs": 0, "steps": 0}
     if len(train_idx) == 0:
@@ -616,7 +695,8 @@ def train_reward_model(
     )
     model.train()
     for epoch in range(args.reward_net_epochs):
-        epoch_stats = reward_epoch(model, optimizer, pairs, torch.arange(len(train_idx)), rb, args, rng, device, loss_fn)
+        active = torch.arange(len(train_idx))
+        epoch_stats = reward_epoch(model, optimizer, pairs, active, rb, args, rng, device, loss_fn)
         totals = {name: stats[name] + epoch_stats[name] for name in ("pseudo_labels", "steps")}
         stats |= epoch_stats | totals | {"epochs": epoch + 1}
         # Stop on the accuracy of the whole, uncropped training split: cropped-batch accuracy stops too early.
@@ -626,55 +706,10 @@ def train_reward_model(
     return stats
 
 
-def temporal_crop_masks(
-    shape: tuple, length: int, min_offset: int, max_offset: int, generator: torch.Generator | None = None
-) -> torch.Tensor:
-    """Masks (*shape, length) for pairs (shape[-1] == 2), as SURF's temporal cropping: each segment keeps a
-    window at its own random start; both segments of a pair keep the same random length in
-    [L - max_offset, L - min_offset], since comparing summed rewards over unequal lengths biases the label."""
-    crop_len = torch.randint(length - max_offset, length - min_offset + 1, shape[:-1], generator=generator)
-    crop_len = crop_len[..., None].expand(shape)
-    start = (torch.rand(shape, generator=generator) * (length - crop_len + 1)).long()
-    steps = torch.arange(length)
-    return (steps >= start[..., None]) & (steps < (start + crop_len)[..., None])
-
-
-def crop_segments(segments: torch.Tensor, masks: torch.Tensor, min_offset: int, max_offset: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """temporal_crop_masks' crops cut out instead of masked: segments (..., 2, L, D) and masks (..., 2, L) -> the
-    window of L - min_offset steps that holds each crop, with the crop's mask (the same draws, the same returns)."""
-    length = masks.shape[-1]
-    crops = temporal_crop_masks(masks.shape[:-1], length, min_offset, max_offset).to(masks.device)
-    width = length - min_offset
-    steps = crops.float().argmax(-1, keepdim=True).clamp_max(length - width) + torch.arange(width, device=masks.device)
-    return segments.take_along_dim(steps[..., None], dim=-2), (masks * crops).take_along_dim(steps, dim=-1)
-
-
-def pseudo_labels(probabilities: torch.Tensor, tau: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Hard labels from the ensemble-mean preference and the mask of pairs confident beyond tau."""
-    mean = probabilities.mean(0)
-    confident = (mean > tau) | (mean < 1 - tau)
-    return (mean > 0.5).float(), confident
-
-
-def surf_loss(model: RewardEnsemble, rb: ReplayBuffer, num_pairs: int, args, rng: np.random.Generator, device) -> tuple[torch.Tensor, int]:
-    """Pseudo-label loss on cropped unlabelled pairs whose ensemble-mean preference is beyond tau."""
-    idx, mask = rb.sample_segment_pairs(num_pairs, args.segment_length, rng)  # uniform, as SURF's
-    segments, masks = torch.as_tensor(rb.obs_actions(idx), device=device), torch.as_tensor(mask, device=device, dtype=torch.float32)
-    segments, masks = crop_segments(segments, masks, args.min_augmentation_offset, args.max_augmentation_offset)
-    with torch.no_grad():  # find the confident pairs first: only they take part in the backward pass
-        returns = (model(segments) * masks).sum(-1)  # (E, n, 2)
-        labels, confident = pseudo_labels(torch.sigmoid(returns[..., 1] - returns[..., 0]), args.surf_tau)
-    if not confident.any():
-        return torch.zeros((), device=device), 0
-    ensemble = model.ensemble_size
-    returns = (model(segments[confident]) * masks[confident]).sum(-1)
-    loss = bradley_terry_loss(returns, labels[confident].expand(ensemble, -1)) * ensemble
-    return loss, int(confident.sum())
-
-
-def reward_model_metrics(model: RewardEnsemble, prefs: PreferenceBuffer, rb: ReplayBuffer, args, fresh: bool, step: int, device) -> dict:
+def reward_model_metrics(model: RewardEnsemble, prefs, rb, args, fresh: bool, step: int, device) -> dict:
     """Accuracy on the labels trained on and on held-out ones (with `fresh`: on fresh pairs labelled by the reward the
-    teacher judges by, which cost no label), and the learned reward against that reward (cleanrlhf_utils.diagnostics)."""
+    teacher judges by, which cost no label), and the learned reward against that reward
+    (cleanrlhf_utils.diagnostics)."""
     probabilities = functools.partial(preference_probabilities, model)
     objective, seed = load_objective(args.teacher_objective), (args.seed, step)
     measured = reward_diagnostics(rb, objective, probabilities, args.segment_length, seed, fresh, device)
@@ -684,21 +719,10 @@ def reward_model_metrics(model: RewardEnsemble, prefs: PreferenceBuffer, rb: Rep
 
 
 # --- Unsupervised exploration: PEBBLE's k-NN state-entropy reward; RUNE's exploration bonus ---
-def knn_state_entropy(states: torch.Tensor, reference: torch.Tensor, k: int, group: int = 64) -> torch.Tensor:
-    """Distance from each state (B, D) to its k-th nearest neighbour among `reference` (M, D), k <= M.
-
-    A top-k over all M distances of every state was most of the cost. The distances are cut into groups of `group`
-    instead: the k-th nearest neighbour lies in one of the k groups with the nearest minima (those minima are k
-    distinct neighbours no farther than the k-th smallest minimum), so only those k x group candidates are ranked.
-    Squared distances less |s|^2 come from one matmul; the root is taken of the k-th only (timed: bench/knn.py)."""
-    partial = torch.addmm((reference * reference).sum(1), states, reference.T, alpha=-2)  # |r|^2 - 2 s.r
-    if partial.shape[1] % group:
-        partial = F.pad(partial, (0, -partial.shape[1] % group), value=float("inf"))
-    groups = partial.unflatten(1, (-1, group))
-    nearest_groups = groups.amin(2).topk(min(k, groups.shape[1]), dim=1, largest=False, sorted=False).indices
-    candidates = groups[torch.arange(len(groups), device=groups.device)[:, None], nearest_groups].flatten(1)
-    kth = candidates.topk(k, dim=1, largest=False, sorted=False).values.amax(1)
-    return (kth + (states * states).sum(1)).clamp_min(0).sqrt()
+def knn_state_entropy(states: torch.Tensor, reference: torch.Tensor, k: int) -> torch.Tensor:
+    """PEBBLE's state-entropy estimate of each state (B, D): the distance to its k-th nearest neighbour among
+    `reference` (M, D), k <= M (found by a grouped search, cleanrlhf_utils.speed)."""
+    return kth_nearest_distance(states, reference, k)
 
 
 def rune_beta(beta0: float, decay: float, step: int) -> float:
@@ -710,40 +734,52 @@ def rune_beta(beta0: float, decay: float, step: int) -> float:
 # Settings checks: every value is checked before anything is built or written
 # ----------------------------------------------------------------------------------------
 PREFERENCE_RANGES = {
-    "total_explore_steps": ">= 0", "explore_knn_k": ">= 1", "reward_ensemble_size": ">= 1",
-    "reward_net_heldout_fraction": "in [0, 1)", "teacher_feedback_total_queries": ">= 0",
-    "teacher_feedback_num_queries_per_session": ">= 1", "teacher_feedback_exponential_decay": "in (0, 1]",
-    "teacher_feedback_frequency": ">= 1", "segment_length": ">= 2", "preference_sampling_pool_factor": ">= 1",
-    "unlabeled_batch_ratio": ">= 0", "surf_tau": "in (0.5, 1)",
-    "min_augmentation_offset": ">= 0", "qpa_query_episodes": ">= 0", "qpa_augmentations": ">= 0", "rune_beta": ">= 0",
+    "total_explore_steps": ">= 0",
+    "explore_knn_k": ">= 1",
+    "reward_ensemble_size": ">= 1",
+    "reward_net_heldout_fraction": "in [0, 1)",
+    "teacher_feedback_total_queries": ">= 0",
+    "teacher_feedback_num_queries_per_session": ">= 1",
+    "teacher_feedback_exponential_decay": "in (0, 1]",
+    "teacher_feedback_frequency": ">= 1",
+    "segment_length": ">= 2",
+    "preference_sampling_pool_factor": ">= 1",
+    "unlabeled_batch_ratio": ">= 0",
+    "surf_tau": "in (0.5, 1)",
+    "min_augmentation_offset": ">= 0",
+    "qpa_query_episodes": ">= 0",
+    "qpa_augmentations": ">= 0",
+    "rune_beta": ">= 0",
     "rune_beta_decay": "in [0, 1)",
-}  # fmt: skip
+}
 
 
 def validate_preference_args(args) -> None:
     """PreferenceArgs, the teacher's and the checkpoints' settings, and what --teacher-objective needs."""
     check_ranges(args, PREFERENCE_RANGES)
+    low, high = args.min_augmentation_offset, args.max_augmentation_offset
+    need(low <= high, f"--min-augmentation-offset ({low}) must be >= 0 and <= --max-augmentation-offset ({high})")
     need(
-        args.min_augmentation_offset <= args.max_augmentation_offset,
-        f"--min-augmentation-offset ({args.min_augmentation_offset}) must be >= 0 and <= --max-augmentation-offset ({args.max_augmentation_offset})",
+        high < args.segment_length,
+        f"--max-augmentation-offset ({high}) must be smaller than --segment-length ({args.segment_length})",
     )
+    sample = args.explore_knn_sample_size
     need(
-        args.max_augmentation_offset < args.segment_length,
-        f"--max-augmentation-offset ({args.max_augmentation_offset}) must be smaller than --segment-length ({args.segment_length})",
+        sample >= args.explore_knn_k,
+        f"--explore-knn-sample-size must be >= --explore-knn-k ({args.explore_knn_k}), got {sample}",
     )
-    need(
-        args.explore_knn_sample_size >= args.explore_knn_k,
-        f"--explore-knn-sample-size must be >= --explore-knn-k ({args.explore_knn_k}), got {args.explore_knn_sample_size}",
-    )
-    apply_objective(args)  # sets what the objective needs (e.g. no unhealthy termination), refuses what contradicts it
+    check_objective_settings(args)  # the env it is for, and the settings it needs
     validate_feedback_args(args)
     validate_checkpoint_args(args)
 
 
 SAC_RANGES = {
-    "total_timesteps": "> 0", "buffer_size": ">= 1", "learning_starts": ">= 1", "evaluation_frequency": ">= 0",
+    "total_timesteps": "> 0",
+    "buffer_size": ">= 1",
+    "learning_starts": ">= 1",
+    "evaluation_frequency": ">= 0",
     "evaluation_episodes": ">= 1",
-}  # fmt: skip
+}
 
 
 def validate_sac_args(args: SACArgs) -> None:
@@ -752,13 +788,14 @@ def validate_sac_args(args: SACArgs) -> None:
         not args.cudagraphs or (args.cuda and torch.cuda.is_available()),
         "--cudagraphs needs a CUDA GPU, and torch sees none here (or --no-cuda was given): drop --cudagraphs",
     )
-    check_env_id(args.env_id)
+    cleanrlhf_envs.check_env_id(args.env_id)
+    cleanrlhf_envs.check_render_mode(args.env_id, args.render_mode)
 
 
 def validate_args(args: Args) -> None:
     validate_sac_args(args)
     validate_preference_args(args)
-    check_ranges(args, {"qpa_hybrid_ratio": "in [0, 1]", "reset_agent_below_correlation": "in [-1, 1]"})
+    check_ranges(args, {"qpa_hybrid_ratio": "in [0, 1]"})
     need(
         args.qpa_hybrid_ratio == 0 or args.qpa_query_episodes > 0,
         f"--qpa-hybrid-ratio {args.qpa_hybrid_ratio} needs --qpa-query-episodes N (the episodes it replays), got 0",
@@ -785,13 +822,26 @@ class LoopState:
     queries_skipped: int = 0
     learning_from_preferences: bool = False  # PEBBLE's second phase: labels exist and the critic was reset for them
     last_eval_return: float = float("nan")
-    agent_resets: int = 0  # --reset-agent-below-correlation: sessions after which SAC started afresh
 
 
-def exploration_rewards(rb: ReplayBuffer, next_obs: torch.Tensor, intrinsic_rms: RunningMoments, args: Args, rng, device) -> torch.Tensor:
+def reset_after_session(agent: SACAgent, loop: LoopState, labels: int) -> None:
+    """PEBBLE resets the critic when the first labels end exploration: its values were of the intrinsic reward."""
+    if labels > 0 and not loop.learning_from_preferences:
+        agent.reset_critic()
+        loop.learning_from_preferences = True
+
+
+def sessions_due(step: int, first_step: int, frequency: int, sessions: int) -> int:
+    """How many of the run's `sessions` feedback sessions are due at `step`: the first at `first_step` (the end of
+    exploration), then one every `frequency` steps."""
+    return 0 if step < first_step else min(sessions, (step - first_step) // frequency + 1)
+
+
+def exploration_rewards(rb: ReplayBuffer, next_obs, intrinsic_rms: RunningMoments, args, rng, device) -> torch.Tensor:
     """PEBBLE's intrinsic reward of a batch: the distance from each reached state to its k-th nearest neighbour among a
     random sample of the buffer's states, over the running std of those distances."""
-    reference = torch.as_tensor(rb.next_obs[rb.sample_indices(min(args.explore_knn_sample_size, rb.size), rng)], device=device)
+    sample = rb.sample_indices(min(args.explore_knn_sample_size, rb.size), rng)
+    reference = torch.as_tensor(rb.next_obs[sample], device=device)
     intrinsic = knn_state_entropy(next_obs, reference, min(args.explore_knn_k, len(reference)))
     intrinsic_rms.update(intrinsic)
     return intrinsic / float(intrinsic_rms.std)
@@ -806,7 +856,8 @@ def reward_change_correlation(before: np.ndarray, after: np.ndarray) -> float:
 
 
 def relabel(model: RewardEnsemble, rb: ReplayBuffer, pending: PendingRewards, device) -> float:
-    """relabel_replay_buffer; returns how the transitions that had a learned reward changed (reward_change_correlation)."""
+    """relabel_replay_buffer; returns how much the transitions that had a learned reward changed
+    (reward_change_correlation)."""
     known = np.setdiff1d(np.arange(rb.size), pending.waiting_rows(rb))
     before = rb.learned_rewards[known]  # a copy (fancy indexing)
     relabel_replay_buffer(model, rb, device)
@@ -814,38 +865,20 @@ def relabel(model: RewardEnsemble, rb: ReplayBuffer, pending: PendingRewards, de
     return reward_change_correlation(before, rb.learned_rewards[known])
 
 
-def reinitialise_agent(agent: SACAgent) -> None:
-    """A fresh actor and critics, the initial temperature, fresh optimisers. The actor's layers are re-initialised in
-    place, so a policy compiled from it (--compile) acts with the new weights."""
-    for layer in agent.actor.modules():
-        if isinstance(layer, nn.Linear):
-            layer.reset_parameters()  # what nn.Linear's constructor does, as a fresh Actor gets
-    agent.actor_optimizer = adam(agent.actor.parameters(), agent.args.policy_lr, agent.args)
-    agent.reset_critic()
-    with torch.no_grad():
-        agent.log_alpha.fill_(math.log(agent.args.alpha))
-    if agent.args.autotune:
-        agent.alpha_optimizer = adam([agent.log_alpha], agent.args.q_lr, agent.args)
+SAC_BATCH = ("obs", "actions", "next_obs", "terminated")
+"""the replay buffer's arrays an SAC update reads (the reward comes apart: intrinsic, or learned plus RUNE's bonus)"""
 
 
-def reset_after_session(agent: SACAgent, loop: LoopState, labels: int, reward_change: float, args: Args) -> None:
-    """PEBBLE resets the critic when the first labels end exploration: its values were of the intrinsic reward. Later,
-    with --reset-agent-below-correlation, a session that changed the reward a lot starts SAC afresh: an agent settled on
-    what an earlier reward paid for can stay there (the primacy bias, Nikishin et al. 2022)."""
-    if labels > 0 and not loop.learning_from_preferences:
-        agent.reset_critic()
-        loop.learning_from_preferences = True
-    elif loop.learning_from_preferences and reward_change < args.reset_agent_below_correlation:
-        reinitialise_agent(agent)
-        loop.agent_resets += 1
-
-
-def sample_batch(rb: ReplayBuffer, rng, args: Args, loop: LoopState, hybrid: bool, recent_slots: np.ndarray | None):
-    """A batch's slots, with QPA's hybrid replay (`hybrid`): --qpa-hybrid-ratio of them from the last
-    --qpa-query-episodes episodes, whose slots are renewed as an episode starts. Returns (slots, recent_slots)."""
+def sample_batch(rb: ReplayBuffer, rng, args: Args, loop: LoopState, hybrid: bool, recent_slots, device) -> tuple:
+    """A batch of transitions, with QPA's hybrid replay (`hybrid`): --qpa-hybrid-ratio of them from the last
+    --qpa-query-episodes episodes, whose slots are renewed as an episode starts. Returns (the batch's slots, its obs,
+    actions, next_obs and terminated as tensors, recent_slots)."""
     if hybrid and (recent_slots is None or loop.episode_length == 0):
         recent_slots = rb.recent_episode_slots(args.qpa_query_episodes)
-    return rb.sample_indices(args.batch_size, rng, recent_slots, args.qpa_hybrid_ratio if hybrid else 0.0), recent_slots
+    share = args.qpa_hybrid_ratio if hybrid else 0.0
+    idx = rb.sample_indices(args.batch_size, rng, recent_slots, share)
+    batch = {name: torch.as_tensor(getattr(rb, name)[idx], device=device) for name in SAC_BATCH}
+    return idx, batch, recent_slots
 
 
 def learned_rewards(rb: ReplayBuffer, idx: np.ndarray, args: Args, step: int, device) -> torch.Tensor:
@@ -853,85 +886,78 @@ def learned_rewards(rb: ReplayBuffer, idx: np.ndarray, args: Args, step: int, de
     unsure, decaying over the run."""
     rewards = torch.as_tensor(rb.learned_rewards[idx], device=device)
     if args.rune:
-        rewards = rewards + rune_beta(args.rune_beta, args.rune_beta_decay, step) * torch.as_tensor(rb.reward_std[idx], device=device)
+        bonus = torch.as_tensor(rb.reward_std[idx], device=device)
+        rewards = rewards + rune_beta(args.rune_beta, args.rune_beta_decay, step) * bonus
     return rewards
 
 
-def main(args: Args, on_evaluation: Callable[[int, float], None] | None = None, reward_training: Callable | None = None) -> dict:
+def main(args: Args, on_evaluation=None, reward_training: Callable | None = None, after_session=None) -> dict:
     """Train and return the run's summary. `on_evaluation(step, mean_return)` is called after every evaluation (a sweep
-    reports and prunes with it). `reward_training(model, optimizer, prefs, rb, args, rng, device) -> stats` fits the
-    reward model at every session (default train_reward_model, looked up at the call: a test may replace it); a variant
-    passes its own (one with state_dict/load_state_dict is checkpointed)."""
+    reports and prunes with it). A variant file passes `reward_training(model, optimizer, prefs, rb, args, rng,
+    device) -> stats`, which fits the reward model at every session (default train_reward_model, looked up at the
+    call), or `after_session(agent, loop, reward_change) -> measures`, called after each session's relabel (its
+    `summary()` joins the run's); either is checkpointed when it has state_dict and load_state_dict."""
     validate_args(args)
     reward_training = reward_training or train_reward_model
     run = Run(args, "sac_rlhf", on_evaluation)
     with contextlib.ExitStack() as cleanup:  # closes what was opened however the run ends (a sweep may prune it)
-        # Built before anything is written, so a bad env id, action space or simulator fails cleanly.
-        ends = {"terminate_when_tilted": args.terminate_when_tilted, "ends_episode": episode_end(args)}
-        env = make_env(args.env_id, args.seed, None, args.video_width, args.video_height, args.terminate_when_unhealthy, **ends)
-        envs = gym.vector.SyncVectorEnv([env], autoreset_mode=gym.vector.AutoresetMode.NEXT_STEP)
-        cleanup.callback(envs.close)
+        envs = cleanup.enter_context(contextlib.closing(make_vector_env(args)))  # a bad env fails before any write
         obs, _ = envs.reset(seed=args.seed)
         obs_dim, state_dim = int(np.prod(envs.single_observation_space.shape)), physics_state_size(envs.envs[0])
         action_space, action_dim = envs.single_action_space, int(np.prod(envs.single_action_space.shape))
-
         check_teacher_objective(args, obs_dim, action_dim, state_dim)  # before anything is written
         writer = run.start_logging(cleanup)
         device, rng = seed_everything(args)  # rng: replay and segment sampling, random actions, held-out split
         agent = SACAgent(obs_dim, action_space, args, device)
         reward_net = (args.reward_ensemble_size, args.reward_net_hidden_dim, args.reward_net_hidden_layers)
         reward_model = RewardEnsemble(obs_dim + action_dim, *reward_net).to(device)
-        reward_optimizer = torch.optim.Adam(reward_model.parameters(), lr=args.reward_net_lr, fused=True)  # one kernel: 2.5x faster steps
+        reward_optimizer = torch.optim.Adam(reward_model.parameters(), lr=args.reward_net_lr, fused=True)
         rb = ReplayBuffer(min(args.buffer_size, args.total_timesteps), obs_dim, action_dim, state_dim)
         prefs = PreferenceBuffer(args.segment_length, obs_dim + action_dim, state_dim)
         intrinsic_rms, pending, recent = RunningMoments(), PendingRewards(), RecentMeans(AGENT_MEASURES)
-        teacher = make_teacher(args, rb, run.name, run.dir, run.video_dir)
-        cleanup.callback(teacher.close)
-        heldout_fraction = 0.0 if teacher.labels_are_free else args.reward_net_heldout_fraction  # free: measured on fresh pairs
-        label_log = LabelLog(run.dir / "labels.sqlite")
-        cleanup.callback(label_log.close)
-        schedule = feedback_schedule(
-            args.teacher_feedback_total_queries, args.teacher_feedback_num_queries_per_session,
-            args.teacher_feedback_schedule, args.teacher_feedback_exponential_decay,
-        )  # fmt: skip
-        first_feedback_step = args.total_explore_steps if args.unsupervised_exploration else args.learning_starts
-        session = FeedbackSession()
-        parts = {
-            "agent": agent, "reward_model": reward_model, "reward_optimizer": reward_optimizer,
-            "preference_buffer": prefs, "intrinsic_rms": intrinsic_rms, "teacher": teacher, "session": session,
-        }  # fmt: skip
-        if hasattr(reward_training, "state_dict"):  # a variant's reward training that carries state across sessions
-            parts["reward_training"] = reward_training
+        teacher = cleanup.enter_context(contextlib.closing(make_teacher(args, rb, run.name, run.dir, run.video_dir)))
+        label_log = cleanup.enter_context(contextlib.closing(LabelLog(run.dir / "labels.sqlite")))
+        free = teacher.labels_are_free  # asking costs nothing: accuracy is measured on fresh pairs, no label held out
+        heldout_fraction = 0.0 if free else args.reward_net_heldout_fraction
+        budget = (args.teacher_feedback_total_queries, args.teacher_feedback_num_queries_per_session)
+        schedule = feedback_schedule(*budget, args.teacher_feedback_schedule, args.teacher_feedback_exponential_decay)
+        first_session = args.total_explore_steps if args.unsupervised_exploration else args.learning_starts
+        session = FeedbackSession(teacher, label_log, args)  # the open session's pairs and answers
+        parts = {"agent": agent, "reward_model": reward_model, "reward_optimizer": reward_optimizer}
+        parts |= {"preference_buffer": prefs, "intrinsic_rms": intrinsic_rms, "teacher": teacher, "session": session}
+        variant = {"reward_training": reward_training, "after_session": after_session}
+        parts |= {name: part for name, part in variant.items() if hasattr(part, "state_dict")}  # a variant's state
         loop, obs = run.restore(parts, rng, rb, envs, obs, LoopState())
         predict_learned_rewards = functools.partial(predict_reward_arrays, reward_model, device)
         recent_slots = None  # QPA's hybrid replay: the slots of the last episodes
 
-        def checkpoint(folder: str | int) -> None:
-            pending.fill(predict_learned_rewards, rb)  # the saved buffer is complete; the values are those the run would use
-            run.save(folder, run.state(parts, rng, loop, envs, obs) | session.rollback(), rb)  # in a reward update: the state before it
+        def checkpoint(folder: str | int) -> None:  # in a reward update: the state before it (session.rollback)
+            pending.fill(predict_learned_rewards, rb)  # the saved buffer is complete, with the values the run uses
+            run.save(folder, run.state(parts, rng, loop, envs, obs) | session.rollback(), rb)
 
-        def session_due(done: int) -> bool:  # session done + 1 is due at this step (with --feedback-async: or later)
-            return loop.global_step >= first_feedback_step + done * args.teacher_feedback_frequency
-
-        def choose_pairs(number: int) -> dict:
+        def choose_pairs(number: int) -> dict:  # session `number`'s pairs, chosen by the reward model as it stands
             return session_pairs(number, schedule, reward_model, rb, args, rng, device)
 
         with run.training(loop, args.total_timesteps, save_last=lambda: checkpoint("latest")):
-            while loop.global_step < args.total_timesteps:
-                stop_here_if_requested()  # Ctrl-C, SIGTERM: stop here, between two steps, never inside one
-                step = loop.global_step
-                # --- feedback session: select_queries -> teacher -> prefs -> train reward -> relabel -> reset critic ---
+            for step in run.steps(loop, args.total_timesteps):  # Ctrl-C, SIGTERM: stop between two steps
+                # --- feedback session: choose pairs, the teacher answers, fit, relabel, reset the critic, count ---
+                due = sessions_due(step, first_session, args.teacher_feedback_frequency, len(schedule))
+                if not session.open and loop.sessions_done < due:
+                    number = loop.sessions_done + 1
+                    session.start(session.take_staged(number) or choose_pairs(number), number)  # choose pairs
                 last = step + 1 == args.total_timesteps
-                if session.ready(teacher, label_log, args, step, last, loop.sessions_done, len(schedule), session_due, choose_pairs):
+                if session.open and session.answers_in(step, last, due, choose_pairs):  # people: async, resumed
                     with session.update(parts, rng, loop):  # one unit: Ctrl-C inside it saves the state before it
-                        record_labels(prefs, label_log, session, loop, heldout_fraction, rng, teacher)
+                        complete = record_labels(prefs, label_log, session, loop, heldout_fraction, rng, teacher)
                         reward_stats = reward_training(reward_model, reward_optimizer, prefs, rb, args, rng, device)
                         reward_change = relabel(reward_model, rb, pending, device)
-                        reset_after_session(agent, loop, len(prefs), reward_change, args)
+                        measures = after_session(agent, loop, reward_change) if after_session else {}
+                        reset_after_session(agent, loop, len(prefs))  # the first labels: a fresh critic
+                        loop.sessions_done += complete
                         show_reward_model(teacher, session, prefs, rb, predict_learned_rewards, args, rng, step)
-                        metrics = reward_model_metrics(reward_model, prefs, rb, args, teacher.labels_are_free, loop.global_step, device)
-                        measures = {"reward_change_correlation": reward_change, "agent_resets": loop.agent_resets}
-                        log_feedback_session(writer, loop, session, reward_stats, metrics, teacher.session_measures() | measures)
+                        metrics = reward_model_metrics(reward_model, prefs, rb, args, free, step, device)
+                        measures |= teacher.session_measures() | {"reward_change_correlation": reward_change}
+                        log_feedback_session(writer, loop, session, reward_stats, metrics, measures)
                     if teacher.people_answer:
                         checkpoint("latest")  # people's labels are what a killed run must not lose
                 exploring = not loop.learning_from_preferences
@@ -944,29 +970,28 @@ def main(args: Args, on_evaluation: Callable[[int, float], None] | None = None, 
                 physics_state = get_physics_state(envs.envs[0])
                 autoreset = bool(autoreset_pending(envs)[0])
                 next_obs, rewards, terminations, truncations, _ = envs.step(actions)
-                if not autoreset:  # with next-step autoreset, the step after an episode end only resets: never store it
+                if not autoreset:  # with next-step autoreset, the step after an episode end only resets: never stored
                     rb.add(obs[0], next_obs[0], actions[0], rewards[0], terminations[0], loop.episode_id, physics_state)
                     if not exploring:
                         pending.add(rb)  # its learned reward is predicted when a batch first needs it
                     run.track_episode(loop, rewards[0], terminations[0] or truncations[0], writer, step)
                 obs = next_obs
                 loop.global_step += 1
-                teacher.training_progress(loop.global_step, loop.sessions_done, len(schedule))  # the page's news, never waits
+                teacher.training_progress(loop.global_step, loop.sessions_done, len(schedule))  # the page's news
 
                 # --- learn: SAC on the state-entropy reward while exploring, then on the learned reward (+ RUNE) ---
                 if step >= args.learning_starts and (args.unsupervised_exploration or not exploring):
                     hybrid = args.qpa_hybrid_ratio > 0 and not exploring and loop.sessions_done < len(schedule)
-                    idx, recent_slots = sample_batch(rb, rng, args, loop, hybrid, recent_slots)
-                    batch_obs, batch_next_obs = (torch.as_tensor(array[idx], device=device) for array in (rb.obs, rb.next_obs))
+                    idx, batch, recent_slots = sample_batch(rb, rng, args, loop, hybrid, recent_slots, device)
                     if exploring:
-                        batch_rewards = exploration_rewards(rb, batch_next_obs, intrinsic_rms, args, rng, device)
+                        batch_rewards = exploration_rewards(rb, batch["next_obs"], intrinsic_rms, args, rng, device)
                         extra = {"exploration/intrinsic_reward": float(batch_rewards.mean())}
                     else:
                         pending.fill_if_sampled(predict_learned_rewards, rb, idx)
                         batch_rewards = learned_rewards(rb, idx, args, step, device)
-                        extra = {"rune/beta": rune_beta(args.rune_beta, args.rune_beta_decay, step)} if args.rune else {}
-                    batch_actions, batch_terminated = (torch.as_tensor(array[idx], device=device) for array in (rb.actions, rb.terminated))
-                    stats = agent.update(batch_obs, batch_actions, batch_rewards, batch_next_obs, batch_terminated, step)
+                        beta = rune_beta(args.rune_beta, args.rune_beta_decay, step)
+                        extra = {"rune/beta": beta} if args.rune else {}
+                    stats = agent.update(**batch, rewards=batch_rewards, global_step=step)
                     if step % 100 == 0:
                         log_update(writer, stats, step, extra, recent)
                 if step % 100 == 0:
@@ -974,7 +999,8 @@ def main(args: Args, on_evaluation: Callable[[int, float], None] | None = None, 
                     run.show_progress(loop)
 
                 # --- evaluate, checkpoint ---
-                if args.unsupervised_exploration and loop.global_step == args.total_explore_steps and not args.exploration_from:
+                explored = args.unsupervised_exploration and loop.global_step == args.total_explore_steps
+                if explored and not args.exploration_from:
                     checkpoint(loop.global_step)  # reusable: --exploration-from models/<run>/<step>
                 before_end = loop.global_step < args.total_timesteps
                 if args.evaluation_frequency and loop.global_step % args.evaluation_frequency == 0 and before_end:
@@ -982,11 +1008,14 @@ def main(args: Args, on_evaluation: Callable[[int, float], None] | None = None, 
                 if args.checkpoint_frequency and loop.global_step % args.checkpoint_frequency == 0 and before_end:
                     checkpoint("latest")
 
-        session.settle(teacher, prefs, label_log, loop, heldout_fraction, rng)  # people's last changes, and whether they agree
+        if session.settle(teacher, prefs, label_log, loop, heldout_fraction, rng):  # people changed labels after the last
+            reward_training(reward_model, reward_optimizer, prefs, rb, args, rng, device)  # update: one more fit learns them
+            checkpoint("latest")
         if not run.interrupted:
             run.evaluate(agent.actor, loop, device, teacher)
-        metrics = reward_model_metrics(reward_model, prefs, rb, args, teacher.labels_are_free, loop.global_step, device)
-        return run.finish(loop, metrics | session.idle_seconds() | recent.summary() | {"agent_resets": loop.agent_resets})
+        metrics = reward_model_metrics(reward_model, prefs, rb, args, free, loop.global_step, device)
+        measures = metrics | session.idle_seconds() | recent.summary()
+        return run.finish(loop, measures | (after_session.summary() if after_session else {}))
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@
 #   python framework/sac_rlhf_rime.py --env-id Hopper-v5 --teacher-eps-mistake 0.2
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 from cleanrlhf_utils.arguments import refuse_unknown_flags
 
@@ -34,6 +35,8 @@ from sac_rlhf import PreferenceBuffer, RewardEnsemble, knn_state_entropy, prefer
 @dataclass
 class RimeArgs:
     """RIME's settings (its paper's values for DMC are the defaults, but for the warm start)."""
+
+    help_group: ClassVar[str] = "RIME"
 
     rime_alpha: float = 0.5
     """alpha of the trust threshold -ln(rho) + alpha rho + min(beta_t s, 3)"""
@@ -57,19 +60,19 @@ class Args(RimeArgs, sac_rlhf.Args):
     """the name of this experiment (part of the run name)"""
 
 
-def validate_args(args: Args) -> None:
-    """PEBBLE's settings and RIME's (what a sweep checks before its trials)."""
-    sac_rlhf.validate_args(args)
-    validate_rime_args(args)
-
-
 def validate_rime_args(args: RimeArgs) -> None:
-    ranges = {"rime_alpha": ">= 0", "rime_beta_min": ">= 0", "rime_beta_decay_epochs": ">= 1", "rime_flip_tau": "in (0, 0.5)"}
-    check_ranges(args, ranges | {"rime_warm_start_steps": ">= 0"})
+    check_ranges(args, {"rime_alpha": ">= 0", "rime_beta_min": ">= 0", "rime_beta_decay_epochs": ">= 1"})
+    check_ranges(args, {"rime_flip_tau": "in (0, 0.5)", "rime_warm_start_steps": ">= 0"})
     need(
         args.rime_beta_min <= args.rime_beta_max,
         f"--rime-beta-min ({args.rime_beta_min}) must be <= --rime-beta-max ({args.rime_beta_max})",
     )
+
+
+def validate_args(args: Args) -> None:
+    """PEBBLE's settings and RIME's (what a sweep checks before its trials)."""
+    sac_rlhf.validate_args(args)
+    validate_rime_args(args)
 
 
 def teacher_mistakes(prefs: PreferenceBuffer, indices: np.ndarray, objective, obs_dim: int) -> np.ndarray:
@@ -99,12 +102,14 @@ class RimeTraining:
         progress = min(1.0, self.epochs / settings.rime_beta_decay_epochs)
         beta = settings.rime_beta_max + (settings.rime_beta_min - settings.rime_beta_max) * progress
         uncertainty = min(beta * self.loss_std, self.UNCERTAINTY_CAP)
-        return -math.log(self.loss_max + 1e-8) + settings.rime_alpha * self.loss_max + uncertainty, -math.log(settings.rime_flip_tau)
+        trust_below = -math.log(self.loss_max + 1e-8) + settings.rime_alpha * self.loss_max + uncertainty
+        return trust_below, -math.log(settings.rime_flip_tau)
 
     def select(self, probabilities: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Masks (trusted, flipped) of the labels (N,) given the ensemble-mean P(segment 1 > segment 0) of their pairs;
-        updates the running estimates with the trusted labels' losses and counts the epoch."""
-        losses = F.binary_cross_entropy(probabilities.clamp(1e-7, 1 - 1e-7), labels, reduction="none")
+        """Masks (trusted, flipped) of the labels (N,) given the ensemble-mean P(segment 1 > segment 0) of their pairs,
+        by each label's loss under the preference model (sac_rlhf.PREFERENCE_MODEL); updates the running estimates
+        with the trusted labels' losses and counts the epoch."""
+        losses = sac_rlhf.PREFERENCE_MODEL.label_losses(probabilities, labels)
         trust_below, flip_above = self.thresholds()
         flipped = losses > flip_above
         trusted = (losses < trust_below) & ~flipped
@@ -122,7 +127,8 @@ class RimeTraining:
         if self.settings.rime_warm_start_steps == 0 or rb.size < 2:
             return float("nan")
         rows = rb.sample_indices(min(rb.size, 10_000), rng)
-        reference = torch.as_tensor(rb.next_obs[rb.sample_indices(min(args.explore_knn_sample_size, rb.size), rng)], device=device)
+        sample = rb.sample_indices(min(args.explore_knn_sample_size, rb.size), rng)
+        reference = torch.as_tensor(rb.next_obs[sample], device=device)
         states, k = torch.as_tensor(rb.next_obs[rows], device=device), min(args.explore_knn_k, len(reference))
         entropy = torch.cat([knn_state_entropy(chunk, reference, k) for chunk in states.split(4096)])
         target = (entropy - entropy.mean()) / entropy.std().clamp_min(1e-8)
@@ -130,7 +136,7 @@ class RimeTraining:
         inputs, ensemble = torch.as_tensor(rb.obs_actions(rows), device=device), model.ensemble_size
         model.train()
         for _ in range(self.settings.rime_warm_start_steps):
-            batch = torch.as_tensor(rng.integers(0, len(rows), (ensemble, batch_size)), device=device)  # a batch per member
+            batch = torch.as_tensor(rng.integers(0, len(rows), (ensemble, batch_size)), device=device)  # one a member
             loss = F.mse_loss(model.forward_members(inputs[batch]), target[batch]) * ensemble  # sum over members
             optimizer.zero_grad()
             loss.backward()
@@ -169,7 +175,8 @@ class RimeTraining:
             if len(active) == 0:
                 break
             epoch_stats = reward_epoch(model, optimizer, (segments, masks, labels), active, rb, args, rng, device)
-            stats |= epoch_stats | {name: stats[name] + epoch_stats[name] for name in ("pseudo_labels", "steps")} | {"epochs": epoch + 1}
+            totals = {name: stats[name] + epoch_stats[name] for name in ("pseudo_labels", "steps")}
+            stats |= epoch_stats | totals | {"epochs": epoch + 1}
             # stop on the labels the epoch trained on, as it trained on them; the probabilities select the next epoch's
             probabilities = preference_probabilities(model, segments, masks).mean(0)
             decided = active[(given[active] != 0.5).cpu()]
@@ -180,10 +187,12 @@ class RimeTraining:
         return stats
 
     def state_dict(self) -> dict:
-        return {"loss_max": self.loss_max, "loss_std": self.loss_std, "epochs": self.epochs, "warm_started": self.warm_started}
+        state = {"loss_max": self.loss_max, "loss_std": self.loss_std, "epochs": self.epochs}
+        return state | {"warm_started": self.warm_started}
 
     def load_state_dict(self, state: dict) -> None:
-        self.loss_max, self.loss_std, self.epochs = float(state["loss_max"]), float(state["loss_std"]), int(state["epochs"])
+        self.loss_max, self.loss_std = float(state["loss_max"]), float(state["loss_std"])
+        self.epochs = int(state["epochs"])
         self.warm_started = bool(state["warm_started"])
 
 

@@ -33,7 +33,6 @@ import yaml
 
 from cleanrlhf_utils import presets
 from cleanrlhf_utils.arguments import parse_args
-from cleanrlhf_utils.cli import human_sized_defaults
 from cleanrlhf_utils.errors import ConfigError
 from cleanrlhf_utils.tracking import public_settings
 
@@ -93,6 +92,7 @@ SCRIPTS = {
     "sac-rlhf": ("sac_rlhf", "validate_args"),
     "sac-rlhf-rime": ("sac_rlhf_rime", "validate_args"),
     "sac-rlhf-mistake-aware": ("sac_rlhf_mistake_aware", "validate_args"),
+    "sac-rlhf-agent-reset": ("sac_rlhf_agent_reset", "validate_args"),
     "pref-ppo": ("pref_ppo", "validate_args"),
     "sac": ("sac", "validate_sac_args"),
     "ppo": ("ppo", "validate_ppo_args"),
@@ -424,18 +424,15 @@ def base_args(script: Script, sweep: Sweep, flags: Sequence[str]):
         raise SweepError("--run-name cannot be set after --: the sweep names every trial's run")
     if "preset" in sweep.params:
         raise SweepError("preset cannot be swept: sweep the settings it sets (cleanrlhf_utils/presets.py), or fix it")
-    # The preset (after --, else the config's fixed one) over the defaults, the config's fixed values over it, the flags over all.
-    name = presets.chosen(flags) or sweep.fixed.get("preset")
+    # The preset (after --, else the config's fixed one) over the defaults, the config's fixed values over it, the flags
+    # over all; in human mode a label budget set nowhere is human-sized (presets.settings_defaults, as every script).
     try:
-        values = presets.preset_values(script.Args, name, script.path) if name is not None else {}
-    except presets.PresetError as error:
+        start, human_sized = presets.settings_defaults(script.Args, flags, sweep.fixed, script.path, set(sweep.params))
+    except (presets.PresetError, ConfigError) as error:
         raise SweepError(str(error)) from None
-    start = replace(script.Args(), **{**values, **{key: value for key, value in sweep.fixed.items() if key != "preset"}})
     base = parse_args(script.Args, args=list(flags), default=start)
-    given = (
-        script_flag_names(flags, script) | set(sweep.fixed) | set(sweep.params) | set(values)
-    )  # human mode: a budget set nowhere is human-sized
-    return human_sized_defaults(base, given, getattr(script.module, "feedback_schedule", None))
+    presets.say_human_defaults(base, human_sized, getattr(script.module, "feedback_schedule", None))
+    return base
 
 
 def check_sweep(sweep: Sweep, base, script: Script) -> None:

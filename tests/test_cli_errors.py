@@ -105,12 +105,14 @@ BAD_ARGS = [
     ("eps-mistake", lambda tmp: {"teacher_eps_mistake": 1.5}, "--teacher-eps-mistake must be in [0, 1], got 1.5"),
     ("explore-shorter-than-random", lambda tmp: {"total_explore_steps": 500}, "--total-explore-steps (500)"),
     ("heldout-fraction", lambda tmp: {"reward_net_heldout_fraction": 1.0}, "--reward-net-heldout-fraction must be in [0, 1), got 1.0"),
-    (
-        "reset-correlation",
-        lambda tmp: {"reset_agent_below_correlation": 1.5},
-        "--reset-agent-below-correlation must be in [-1, 1], got 1.5",
-    ),
 ]
+
+
+def test_the_agent_reset_variant_refuses_a_correlation_outside_minus_one_to_one():
+    import sac_rlhf_agent_reset
+
+    with pytest.raises(sac_rlhf.ConfigError, match=r"--reset-agent-below-correlation must be in \[-1, 1\], got 1.5"):
+        sac_rlhf_agent_reset.validate_args(sac_rlhf_agent_reset.Args(reset_agent_below_correlation=1.5))
 
 
 @pytest.mark.parametrize(("overrides", "message"), [(o, m) for _, o, m in BAD_ARGS], ids=[c[0] for c in BAD_ARGS])

@@ -142,20 +142,27 @@ def _bt_by_hand(r0: float, r1: float, y: float) -> float:
     return -(y * math.log(p1) + (1 - y) * math.log(1 - p1))
 
 
-def test_bradley_terry_loss_matches_hand_computation(algo):
+def test_the_preference_models_loss_is_bradley_terry_by_hand(algo):
     pairs = [(1.0, 2.0, 1.0), (0.5, -0.5, 0.0), (0.0, 0.3, 0.5), (2.0, -1.0, 1.0)]
     returns = torch.tensor([[r0, r1] for r0, r1, _ in pairs], dtype=torch.float64)
     labels = torch.tensor([y for _, _, y in pairs], dtype=torch.float64)
     by_hand = [_bt_by_hand(*pair) for pair in pairs]
     assert by_hand[0] == pytest.approx(math.log(1 + math.exp(-1)))
     assert by_hand[2] == pytest.approx(0.5 * (math.log(1 + math.exp(-0.3)) + math.log(1 + math.exp(0.3))))
-    assert float(algo.bradley_terry_loss(returns, labels)) == pytest.approx(sum(by_hand) / len(by_hand), rel=1e-12)
+    loss = algo.PREFERENCE_MODEL.loss
+    assert float(loss(returns, labels)) == pytest.approx(sum(by_hand) / len(by_hand), rel=1e-12)
     # Per-member returns (E, N, 2): averaged over members and pairs.
     member2 = returns.flip(-1)  # every pair reversed
     by_hand2 = [_bt_by_hand(r1, r0, y) for r0, r1, y in pairs]
     ensemble = torch.stack([returns, member2])
     expected = (sum(by_hand) + sum(by_hand2)) / (2 * len(pairs))
-    assert float(algo.bradley_terry_loss(ensemble, labels.expand(2, -1))) == pytest.approx(expected, rel=1e-12)
+    assert float(loss(ensemble, labels.expand(2, -1))) == pytest.approx(expected, rel=1e-12)
+    # The probability it implies, its log-probabilities and each label's loss given the probability: the same model.
+    probability = algo.PREFERENCE_MODEL.probability(returns)
+    torch.testing.assert_close(probability, torch.sigmoid(returns[:, 1] - returns[:, 0]))
+    torch.testing.assert_close(algo.PREFERENCE_MODEL.log_probabilities(returns).exp().sum(-1), torch.ones(len(pairs), dtype=torch.float64))
+    by_label = algo.PREFERENCE_MODEL.label_losses(probability, labels)
+    torch.testing.assert_close(by_label, torch.tensor(by_hand, dtype=torch.float64))
 
 
 def test_tie_labels_drive_preference_to_one_half(algo):
@@ -478,10 +485,16 @@ def test_feedback_schedule_known_values(algo):
 # ----------------------------------------------------------------------------------------
 # SURF
 # ----------------------------------------------------------------------------------------
-def test_temporal_crop_masks(algo):
+def crop_masks(algo, shape: tuple, length: int, min_offset: int, max_offset: int) -> torch.Tensor:
+    """SURF's crops of whole segments (crop_segments without cutting them out), as boolean masks (*shape, length)."""
+    _, masks = algo.crop_segments(torch.zeros(*shape, length, 1), torch.ones(*shape, length), min_offset, max_offset, cut_out=False)
+    return masks.bool()
+
+
+def test_temporal_crops(algo):
     length, min_offset, max_offset = 20, 2, 7
-    generator = torch.Generator().manual_seed(0)
-    masks = algo.temporal_crop_masks((500, 2), length, min_offset, max_offset, generator=generator)
+    torch.manual_seed(0)
+    masks = crop_masks(algo, (500, 2), length, min_offset, max_offset)
     assert masks.shape == (500, 2, length) and masks.dtype == torch.bool
     m = masks.reshape(-1, length).numpy().astype(int)
     kept = m.sum(-1)
@@ -496,9 +509,9 @@ def test_temporal_crop_masks(algo):
     last = first + kept - 1
     assert first.min() == 0 and last.max() == length - 1  # windows reach both ends
     assert (last < length).all()
-    # Same generator seed, same crops.
-    again = algo.temporal_crop_masks((500, 2), length, min_offset, max_offset, generator=torch.Generator().manual_seed(0))
-    assert torch.equal(masks, again)
+    # Same seed, same crops.
+    torch.manual_seed(0)
+    assert torch.equal(masks, crop_masks(algo, (500, 2), length, min_offset, max_offset))
 
 
 def test_crop_segments_compute_only_the_window_and_give_the_masked_returns(algo):
@@ -507,13 +520,13 @@ def test_crop_segments_compute_only_the_window_and_give_the_masked_returns(algo)
     segments = torch.randn(3, 300, 2, length, 4)  # (members, pairs, 2, L, D), as train_reward_model's batches
     masks = (torch.rand(3, 300, 2, length) < 0.9).float()
     torch.manual_seed(5)
-    crops = algo.temporal_crop_masks(masks.shape[:-1], length, min_offset, max_offset)
-    masked_returns = (model.forward_members(segments) * masks * crops).sum(-1)
+    _, cropped_masks = algo.crop_segments(segments, masks, min_offset, max_offset, cut_out=False)
+    masked_returns = (model.forward_members(segments) * cropped_masks).sum(-1)
     torch.manual_seed(5)  # the same draws
     windows, window_masks = algo.crop_segments(segments, masks, min_offset, max_offset)
     assert windows.shape == (3, 300, 2, length - min_offset, 4)  # the steps outside a window are never computed
     torch.testing.assert_close((model.forward_members(windows) * window_masks).sum(-1), masked_returns, rtol=1e-5, atol=1e-5)
-    assert window_masks.sum() == (masks * crops).sum()  # every cropped step is inside its window
+    assert window_masks.sum() == cropped_masks.sum()  # every cropped step is inside its window
 
 
 def test_pseudo_labels_threshold_both_sides(algo):
@@ -691,7 +704,7 @@ def test_policy_aligned_queries_come_from_the_last_episodes_only(algo):
     rb = random_replay_buffer(algo, np.random.default_rng(0), n=1000, episode_length=50)  # episodes 0..19
     model = algo.RewardEnsemble(INPUT_DIM)
     for strategy in ("uniform", "disagree"):
-        idx, mask = algo.select_queries(strategy, model, rb, 200, SEG_LEN, 5, np.random.default_rng(1), CPU, recent_episodes=3)
+        idx, mask = algo.select_queries(strategy, model, rb, 200, SEG_LEN, 5, np.random.default_rng(1), CPU, recent=3)
         assert set(np.unique(rb.episode_ids[idx[..., 0]])) == {17, 18, 19}
         assert (rb.episode_ids[idx][mask] >= 17).all()
     idx, _ = algo.select_queries("uniform", model, rb, 200, SEG_LEN, 5, np.random.default_rng(1), CPU)

@@ -215,11 +215,12 @@ def test_sac_baseline_resumes_exactly(chdir_tmp):
     than one sitting, so it must continue where it stopped, its objective's reward included."""
     import sac
 
-    objective = "hopper-backflip"
-    sac.main(sac_baseline_args("whole", reward_objective=objective))
-    first = sac.main(sac_baseline_args("part", reward_objective=objective, total_timesteps=350))
+    # what the objective needs and defaults to, as a command line with --reward-objective hopper-backflip gets them
+    objective = {"reward_objective": "hopper-backflip", "terminate_when_tilted": False, "terminate_when_unhealthy": False}
+    sac.main(sac_baseline_args("whole", **objective))
+    first = sac.main(sac_baseline_args("part", **objective, total_timesteps=350))
     assert first["global_step"] == 350 and not first["interrupted"]
-    summary = sac.main(sac_baseline_args("part", reward_objective=objective, resume="models/part/latest"))
+    summary = sac.main(sac_baseline_args("part", **objective, resume="models/part/latest"))
     assert summary["global_step"] == 600 and summary["wall_seconds"] > first["wall_seconds"]
     assert_same_sac_training(final_state("whole"), final_state("part"))
 

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from cleanrlhf_utils import objectives
+from cleanrlhf_utils.cli import command_line_args
 from cleanrlhf_utils.envs import get_physics_state, make_env
 
 DT, GRAVITY = objectives.HOPPER_DT, 9.81
@@ -201,8 +202,8 @@ def test_a_flip_that_ends_on_the_torso_or_tilted_counts_nothing(hopper, turn, la
 def test_the_objective_runs_with_no_termination_and_counts_landed_flips():
     import sac
 
-    args = sac.Args(env_id="Hopper-v5", reward_objective="hopper-landed-backflip")
-    objective = objectives.apply_objective(args, argv=["sac.py"], field="reward_objective")
+    args = command_line_args(sac.Args, ["--env-id", "Hopper-v5", "--reward-objective", "hopper-landed-backflip"])
+    objective = objectives.check_objective_settings(args, "reward_objective")
     assert args.terminate_when_unhealthy is False and args.terminate_when_tilted is False
     assert objective.success is objectives.hopper_landed_backflips
 
@@ -214,10 +215,8 @@ def test_an_episode_of_the_objective_ends_when_anything_but_the_foot_touches_the
     terminated (a crash, not a time limit)."""
     import sac
 
-    args = sac.Args(env_id="Hopper-v5", reward_objective="hopper-landed-backflip")
-    objectives.apply_objective(args, argv=["sac.py"], field="reward_objective")
-    settings = {"terminate_when_tilted": args.terminate_when_tilted, "ends_episode": objectives.episode_end(args)}
-    env = sac.make_env("Hopper-v5", 0, None, 320, 240, args.terminate_when_unhealthy, **settings)()
+    args = command_line_args(sac.Args, ["--env-id", "Hopper-v5", "--reward-objective", "hopper-landed-backflip"])
+    env = sac.make_vector_env(args).envs[0]
     env.reset(seed=0)
     qpos = on_floor(0.0 if pose == "standing" else np.pi, STRAIGHT)
     env.unwrapped.set_state(qpos, np.zeros(6))

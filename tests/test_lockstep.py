@@ -21,8 +21,8 @@ FRAMEWORK_DIR = Path(__file__).resolve().parents[1] / "framework"
 LOCKSTEP = [
     "PreferenceArgs",
     "validate_preference_args",
+    "BradleyTerry",
     "RewardEnsemble",
-    "bradley_terry_loss",
     "preference_probabilities",
     "disagreement_scores",
     "entropy_scores",
@@ -36,7 +36,6 @@ LOCKSTEP = [
     "feedback_schedule",
     "reward_epoch",
     "train_reward_model",
-    "temporal_crop_masks",
     "crop_segments",
     "pseudo_labels",
     "surf_loss",
@@ -46,19 +45,27 @@ LOCKSTEP = [
 ]
 # Module constants of the copied block, compared by value.
 LOCKSTEP_CONSTANTS = ["PREFERENCE_RANGES", "RELABEL_CHUNK"]
+# The preference model's instance, compared by its class's name (each script has its own class object).
+LOCKSTEP_INSTANCES = ["PREFERENCE_MODEL"]
 # Defined in both scripts under the same name, but each algorithm's own.
-ALGORITHM_SPECIFIC = {"Args", "LoopState", "main", "make_env", "validate_args", "exploration_rewards", "reset_after_session"}
+ALGORITHM_SPECIFIC = {
+    *("Args", "LoopState", "main", "make_env", "make_vector_env", "validate_args", "exploration_rewards"),
+    *("reset_after_session", "sessions_due"),
+}
 
 # SAC as the baseline sac.py and PEBBLE (sac_rlhf.py) both run it: a comparison measures preferences, nothing else.
-SAC_COPY = ["SACArgs", "validate_sac_args", "check_sac_actions", "make_env", "TwinQNetwork", "Actor", "adam", "SACAgent"]
+SAC_COPY = [
+    *("SACArgs", "validate_sac_args", "check_sac_actions", "make_env", "make_vector_env", "TwinQNetwork", "Actor"),
+    "SACAgent",
+]
 # What each baseline and its preference-learning script define under one name but differently (the baseline's own).
 BASELINE_SPECIFIC = {"sac": {"Args", "LoopState", "main"}, "ppo": {"Args", "main"}}
 # PPO as the baseline ppo.py and PrefPPO (pref_ppo.py) both run it.
 PPO_COPY = [
-    "PPOArgs", "validate_ppo_args", "check_ppo_actions", "make_env", "make_vector_env", "layer_init", "ppo_mlp", "Agent",
-    "env_actions", "reward_action_dim", "encode_actions", "RolloutBuffer", "collect_rollout", "rollout_values", "compute_gae", "ppo_update", "train_on_rollout",
-    "set_learning_rate",
-]  # fmt: skip
+    *("PPOArgs", "validate_ppo_args", "check_ppo_actions", "make_env", "make_vector_env", "layer_init", "ppo_mlp"),
+    *("Agent", "env_actions", "reward_action_dim", "encode_actions", "RolloutBuffer", "collect_rollout"),
+    *("rollout_values", "compute_gae", "ppo_update", "train_on_rollout", "set_learning_rate"),
+]
 PAIRS = {"sac": (sac_rlhf, sac, SAC_COPY), "ppo": (pref_ppo, ppo, PPO_COPY)}
 
 
@@ -85,6 +92,12 @@ def test_the_copies_in_both_scripts_are_identical(name):
 @pytest.mark.parametrize("name", LOCKSTEP_CONSTANTS)
 def test_the_copied_constants_are_equal(name):
     assert getattr(sac_rlhf, name) == getattr(pref_ppo, name), f"{name} differs between the scripts; change both copies"
+
+
+@pytest.mark.parametrize("name", LOCKSTEP_INSTANCES)
+def test_the_copied_instances_are_of_the_copied_class(name):
+    first, second = getattr(sac_rlhf, name), getattr(pref_ppo, name)
+    assert type(first).__name__ == type(second).__name__ and type(first).__name__ in LOCKSTEP
 
 
 @pytest.mark.parametrize(("baseline", "name"), [(b, name) for b, (_, _, names) in PAIRS.items() for name in names])

@@ -2,6 +2,7 @@
 docstrings say (a planted backflip counts one flip, the windmill's direction has a sign, the Ant's foot height is
 MuJoCo's); bad input is one line and exit 2."""
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import pytest
 
 from cleanrlhf_utils import objectives
 from cleanrlhf_utils.buffers import ReplayBuffer
+from cleanrlhf_utils.cli import command_line_args
 from cleanrlhf_utils.envs import get_physics_state, make_env
 from cleanrlhf_utils.errors import ConfigError
 from cleanrlhf_utils.feedback import SyntheticTeacher
@@ -79,12 +81,12 @@ def test_the_upright_backflip_pays_each_step_up_and_counts_flips_as_the_backflip
 def test_the_upright_backflip_ends_episodes_on_a_fall_unless_the_command_line_says_otherwise():
     import sac_rlhf
 
-    args = sac_rlhf.Args(env_id="Hopper-v5", teacher_objective="hopper-backflip-upright")
-    objectives.apply_objective(args, argv=["sac_rlhf.py"])
+    flags = ["--env-id", "Hopper-v5", "--teacher-objective", "hopper-backflip-upright"]
+    args = command_line_args(sac_rlhf.Args, flags)
     assert args.terminate_when_unhealthy is True and args.terminate_when_tilted is False
-    args = sac_rlhf.Args(env_id="Hopper-v5", teacher_objective="hopper-backflip-upright", terminate_when_unhealthy=False)
-    objectives.apply_objective(args, argv=["sac_rlhf.py", "--no-terminate-when-unhealthy"])  # as tyro parsed it
+    args = command_line_args(sac_rlhf.Args, [*flags, "--no-terminate-when-unhealthy"])
     assert args.terminate_when_unhealthy is False and args.terminate_when_tilted is False
+    assert objectives.check_objective_settings(args).name == "hopper-backflip-upright"
 
 
 def test_hopper_pitch_is_read_from_the_real_simulator_state():
@@ -208,7 +210,7 @@ def test_example_objective_loads_and_runs(monkeypatch):
 
 
 class Settings:
-    """The few Args fields apply_objective reads."""
+    """The few Args fields check_objective_settings reads."""
 
     def __init__(self, env_id: str, teacher_objective: str, terminate_when_unhealthy: bool = True):
         self.env_id, self.teacher_objective, self.terminate_when_unhealthy = env_id, teacher_objective, terminate_when_unhealthy
@@ -217,16 +219,26 @@ class Settings:
 def test_backflip_turns_angle_termination_off_and_fall_termination_off_unless_the_command_line_asks_for_it():
     import sac_rlhf
 
-    args = sac_rlhf.Args(env_id="Hopper-v5", teacher_objective="hopper-backflip")
-    objectives.apply_objective(args, argv=["sac_rlhf.py"])
+    flags = ["--env-id", "Hopper-v5", "--teacher-objective", "hopper-backflip"]
+    args = command_line_args(sac_rlhf.Args, flags)
     assert args.terminate_when_unhealthy is False and args.terminate_when_tilted is False
     # asked for, unhealthy termination stays: episodes end on a fall (height), never on the angle a flip passes through
-    args = sac_rlhf.Args(env_id="Hopper-v5", teacher_objective="hopper-backflip")
-    objectives.apply_objective(args, argv=["sac_rlhf.py", "--terminate-when-unhealthy"])
+    args = command_line_args(sac_rlhf.Args, [*flags, "--terminate-when-unhealthy"])
     assert args.terminate_when_unhealthy is True and args.terminate_when_tilted is False
-    args = sac_rlhf.Args(env_id="Hopper-v5", teacher_objective="hopper-backflip")
+    args = command_line_args(sac_rlhf.Args, [*flags, "--terminate-when-tilted"])
     with pytest.raises(ConfigError, match="needs terminate_when_tilted=False: drop --terminate-when-tilted"):
-        objectives.apply_objective(args, argv=["sac_rlhf.py", "--terminate-when-tilted"])
+        sac_rlhf.validate_args(args)
+
+
+def test_checking_an_objectives_settings_changes_none_of_them():
+    """Validation only checks: the objective's needs come in with the defaults the command line is parsed onto."""
+    import sac_rlhf
+
+    args = sac_rlhf.Args(env_id="Hopper-v5", teacher_objective="hopper-backflip")  # built by hand: no defaults applied
+    before = dataclasses.asdict(args)
+    with pytest.raises(ConfigError, match="needs terminate_when_tilted=False"):
+        objectives.check_objective_settings(args)
+    assert dataclasses.asdict(args) == before
 
 
 def test_a_users_objective_brings_its_settings_and_defaults(monkeypatch, tmp_path):
@@ -239,12 +251,10 @@ def test_a_users_objective_brings_its_settings_and_defaults(monkeypatch, tmp_pat
     monkeypatch.syspath_prepend(str(tmp_path))
     import sac_rlhf
 
-    args = sac_rlhf.Args(env_id="Hopper-v5", teacher_objective="tilting:lean")
-    objectives.apply_objective(args, argv=["sac_rlhf.py"])
+    flags = ["--env-id", "Hopper-v5", "--teacher-objective", "tilting:lean"]
+    args = command_line_args(sac_rlhf.Args, flags)
     assert args.terminate_when_tilted is False and args.evaluation_episodes == 3
-    args = sac_rlhf.Args(env_id="Hopper-v5", teacher_objective="tilting:lean", evaluation_episodes=7)
-    objectives.apply_objective(args, argv=["sac_rlhf.py", "--evaluation-episodes", "7"])
-    assert args.evaluation_episodes == 7
+    assert command_line_args(sac_rlhf.Args, [*flags, "--evaluation-episodes", "7"]).evaluation_episodes == 7
 
 
 @pytest.mark.parametrize(
@@ -266,7 +276,7 @@ def test_a_users_objective_brings_its_settings_and_defaults(monkeypatch, tmp_pat
 def test_bad_objectives_are_refused_in_one_line(monkeypatch, env_id, name, message):
     monkeypatch.syspath_prepend(str(EXAMPLES))
     with pytest.raises(ConfigError) as error:
-        objectives.apply_objective(Settings(env_id, name), argv=[])
+        objectives.check_objective_settings(Settings(env_id, name))
     assert message in str(error.value) and "\n" not in str(error.value)
 
 

@@ -62,6 +62,7 @@ def test_an_exported_checkpoint_evaluates_as_recorded(chdir_tmp):
             env_id="Hopper-v5", reward_objective="hopper-landed-backflip", total_timesteps=300, learning_starts=100,
             batch_size=32, actor_hidden_dim=32, critic_hidden_dim=32, evaluation_frequency=0, evaluation_episodes=1,
             torch_threads=1, cuda=False, progress_bar=False, run_name="flip",
+            terminate_when_unhealthy=False, terminate_when_tilted=False,  # what the objective needs
         )
     )  # fmt: skip
     entry = export_policy.main(

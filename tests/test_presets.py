@@ -16,7 +16,8 @@ import pref_ppo
 import sac_rlhf
 import sweep
 from cleanrlhf_utils import presets
-from cleanrlhf_utils.cli import HUMAN_LABEL_DEFAULTS, command_line_args
+from cleanrlhf_utils.cli import command_line_args
+from cleanrlhf_utils.presets import HUMAN_LABEL_DEFAULTS
 from cleanrlhf_utils.tracking import public_settings
 
 REPO = Path(__file__).resolve().parents[1]

@@ -14,6 +14,7 @@ import torch
 from test_end_to_end import assert_same_training, final_state, scalars, small_args
 
 import sac_rlhf
+import sac_rlhf_agent_reset
 
 REPO = Path(__file__).resolve().parents[1]
 OBS_DIM, ACTION_DIM = 3, 1
@@ -143,7 +144,7 @@ def test_a_preference_run_logs_the_measurements_at_sessions_and_sac_its_entropy(
 
 
 # ----------------------------------------------------------------------------------------
-# --reset-agent-below-correlation
+# sac_rlhf_agent_reset.py: --reset-agent-below-correlation
 # ----------------------------------------------------------------------------------------
 def test_reward_change_correlation_ignores_scale_and_offset_and_sees_a_new_ranking():
     rng = np.random.default_rng(0)
@@ -188,7 +189,7 @@ def test_reinitialise_agent_gives_fresh_networks_the_initial_temperature_and_fre
     trained_qf = {k: v.clone() for k, v in agent.qf.state_dict().items()}
     assert abs(agent.log_alpha.item() - np.log(0.2)) > 0.01 and agent.actor_optimizer.state
 
-    sac_rlhf.reinitialise_agent(agent)
+    sac_rlhf_agent_reset.reinitialise_agent(agent)
     assert agent.actor is actor  # in place: a policy compiled from it acts with the new weights
     for name in ("trunk.0.weight", "fc_mean.weight", "fc_logstd.bias"):
         assert not torch.equal(agent.actor.state_dict()[name], trained_actor[name]), name
@@ -205,8 +206,14 @@ def test_reinitialise_agent_gives_fresh_networks_the_initial_temperature_and_fre
     assert not torch.equal(agent.qf.state_dict()["net.0.weight"], fresh_qf)
 
 
+def reset_args(name: str, reset_agent_below_correlation: float = -1.0, **overrides) -> sac_rlhf_agent_reset.Args:
+    """small_args for the variant that starts SAC afresh (sac_rlhf_agent_reset.py)."""
+    settings = vars(small_args(name, **overrides))
+    return sac_rlhf_agent_reset.Args(**settings, reset_agent_below_correlation=reset_agent_below_correlation)
+
+
 def test_a_run_starts_sac_afresh_after_sessions_that_change_the_reward_and_resumes_exactly(chdir_tmp):
-    never = sac_rlhf.main(small_args("never"))  # 1200 steps: sessions at 400, 700 and 1000
+    never = sac_rlhf_agent_reset.main(reset_args("never"))  # 1200 steps: sessions at 400, 700 and 1000
     tags = scalars(Path("runs/never"))
     changes = [value for _, value in tags["feedback/reward_change_correlation"]]
     assert len(changes) == 3 and np.isnan(changes[0])  # the first session has no earlier learned reward
@@ -214,20 +221,20 @@ def test_a_run_starts_sac_afresh_after_sessions_that_change_the_reward_and_resum
     assert [value for _, value in tags["feedback/agent_resets"]] == [0, 0, 0] and never["agent_resets"] == 0
 
     always = {"reset_agent_below_correlation": 1.0}  # every later session changes the reward somewhat
-    summary = sac_rlhf.main(small_args("always", **always))
+    summary = sac_rlhf_agent_reset.main(reset_args("always", **always))
     assert [value for _, value in scalars(Path("runs/always"))["feedback/agent_resets"]] == [0, 1, 2]
     assert summary["agent_resets"] == 2
     # Stopped right after the second session: the temperature is back at its start, one update away from it.
-    sac_rlhf.main(small_args("cut", total_timesteps=701, **always))
-    sac_rlhf.main(small_args("cut_never", total_timesteps=701))
+    sac_rlhf_agent_reset.main(reset_args("cut", total_timesteps=701, **always))
+    sac_rlhf_agent_reset.main(reset_args("cut_never", total_timesteps=701))
     log_alpha = {name: float(final_state(name)["checkpoint"]["agent"]["log_alpha"]) for name in ("cut", "cut_never")}
     assert abs(log_alpha["cut"] - np.log(0.2)) < 3e-3 < abs(log_alpha["cut_never"] - np.log(0.2))
 
-    sac_rlhf.main(small_args("part", total_timesteps=800, **always))  # stopped between sessions 2 and 3
-    sac_rlhf.main(small_args("part", resume="models/part/latest", **always))
+    sac_rlhf_agent_reset.main(reset_args("part", total_timesteps=800, **always))  # stopped between sessions 2 and 3
+    sac_rlhf_agent_reset.main(reset_args("part", resume="models/part/latest", **always))
     resumed = final_state("part")
     assert_same_training(final_state("always"), resumed)
-    assert resumed["checkpoint"]["loop"]["agent_resets"] == 2
+    assert resumed["checkpoint"]["after_session"]["resets"] == 2
 
 
 # ----------------------------------------------------------------------------------------

@@ -94,7 +94,7 @@ def test_mistake_aware_loss_is_the_plain_loss_at_epsilon_zero_and_matches_hand_c
     torch.manual_seed(0)
     returns = torch.randn(3, 40, 2, dtype=torch.float64) * 2  # (members, pairs, 2)
     labels = torch.tensor(np.random.default_rng(0).choice([0.0, 0.5, 1.0], 40)).expand(3, -1)
-    plain = sac_rlhf.bradley_terry_loss(returns, labels)
+    plain = sac_rlhf.PREFERENCE_MODEL.loss(returns, labels)
     assert torch.equal(mistake_aware_loss(returns, labels, 0.0), plain)  # exactly the same number
     # The general formula is continuous at 0: a vanishing epsilon gives the plain loss.
     assert float(mistake_aware_loss(returns, labels, 1e-12)) == pytest.approx(float(plain), rel=1e-9)
@@ -110,7 +110,7 @@ def test_mistake_aware_loss_is_the_plain_loss_at_epsilon_zero_and_matches_hand_c
     # A pair the model is sure of costs at most -ln(eps) when its label says otherwise (the plain loss: about 80).
     sure_and_wrong = torch.tensor([[40.0, -40.0]], dtype=torch.float64), torch.tensor([1.0], dtype=torch.float64)
     assert float(mistake_aware_loss(*sure_and_wrong, eps)) == pytest.approx(-math.log(eps), rel=1e-6)
-    assert float(sac_rlhf.bradley_terry_loss(*sure_and_wrong)) == pytest.approx(80.0, rel=1e-6)
+    assert float(sac_rlhf.PREFERENCE_MODEL.loss(*sure_and_wrong)) == pytest.approx(80.0, rel=1e-6)
 
 
 def mistake_aware_training(epsilon: float):

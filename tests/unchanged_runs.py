@@ -64,7 +64,7 @@ RUNS = {
     "pebble-dmc": ("sac_rlhf", ["--preset", "dmc", "--env-id", "dm_control/walker-walk-v0", *SHORT_DMC]),
     "pebble-dmc-qpa": ("sac_rlhf", ["--preset", "dmc-qpa", "--env-id", "dm_control/cheetah-run-v0", *SHORT_DMC]),
     "pebble-metaworld": ("sac_rlhf", ["--preset", "metaworld", "--env-id", "metaworld/door-open-v3", *SHORT_PEBBLE]),
-    "pebble-backflip": ("sac_rlhf", ["--env-id", "Hopper-v5", *BACKFLIP, *SHORT_PEBBLE]),
+    "pebble-backflip": ("sac_rlhf_agent_reset", ["--env-id", "Hopper-v5", *BACKFLIP, *SHORT_PEBBLE]),
     "pebble-rime": (
         "sac_rlhf_rime",
         ["--env-id", "Hopper-v5", "--rime-warm-start-steps", "20", "--teacher-eps-mistake", "0.2", *SHORT_PEBBLE],

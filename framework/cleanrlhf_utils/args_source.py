@@ -101,3 +101,52 @@ def source_flags(script: str | Path, class_name: str = "Args") -> list[str] | No
         if field.annotation == "bool":
             flags.append(f"--no-{field.name.replace('_', '-')}")
     return flags
+
+
+def class_constant(repo: Path, path: Path, node: ast.ClassDef, name: str, cache: dict):
+    """The literal value of a class attribute `name` (a ClassVar) of a class or, failing that, of its bases; None."""
+    for statement in node.body:
+        target = statement.target if isinstance(statement, ast.AnnAssign) else None
+        if isinstance(target, ast.Name) and target.id == name and statement.value is not None:
+            return ast.literal_eval(statement.value)
+    for base in node.bases:
+        try:
+            if isinstance(base, ast.Name):
+                base_path, base_node = find_class(repo, path, base.id, cache)
+            elif isinstance(base, ast.Attribute) and isinstance(base.value, ast.Name):
+                base_path, base_node = find_class(repo, module_file(repo, path, base.value.id, 0), base.attr, cache)
+            else:
+                continue
+        except (LookupError, TypeError):
+            continue
+        value = class_constant(repo, base_path, base_node, name, cache)
+        if value is not None:
+            return value
+    return None
+
+
+FIRST_GROUP = "start here"
+"""the title of the first group --help shows: the flags a newcomer sets (the class attribute `first_flags` of Args)"""
+
+
+def help_groups(repo: Path, path: Path, class_name: str = "Args", cache: dict | None = None) -> list[tuple[str, str, list[Field]]]:
+    """The titled groups --help and the flag pages show a script's settings in: (title, description, fields). First
+    FIRST_GROUP, the fields Args names in `first_flags` (a string of names); then every other field in the group of the class that declares
+    it first (its `help_group`, else the class's name, described by its docstring), groups in the order of their first
+    field. One group (all fields, titled by class_name) where Args names no first_flags."""
+    cache = {} if cache is None else cache
+    owner_path, node = find_class(repo, path, class_name, cache)
+    fields = class_fields(repo, owner_path, node, cache)
+    first = (class_constant(repo, owner_path, node, "first_flags", cache) or "").split()
+    if not first:
+        return [(class_name, " ".join((ast.get_docstring(node) or "").split()), fields)]
+    by_name = {field.name: field for field in fields}
+    groups: dict[str, tuple[str, list[Field]]] = {FIRST_GROUP: ("the flags to set first", [by_name[name] for name in first])}
+    for field in fields:
+        if field.name in first:
+            continue
+        _, owner_node = find_class(repo, field.owner_path, field.owner, cache)
+        title = class_constant(repo, field.owner_path, owner_node, "help_group", cache) or field.owner
+        description = " ".join((ast.get_docstring(owner_node) or "").split())
+        groups.setdefault(title, (description, []))[1].append(field)
+    return [(title, description, members) for title, (description, members) in groups.items()]

@@ -74,6 +74,11 @@ def refuse_unknown_flags(script: str, argv: Sequence[str] | None = None) -> None
     from .args_source import source_flags
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        argv = seed_spellings(argv)
+    except UsageError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
     known = source_flags(script)
     if known is None:  # not readable from source: tyro's parse decides
         return
@@ -85,13 +90,50 @@ def refuse_unknown_flags(script: str, argv: Sequence[str] | None = None) -> None
 
 
 def given_value(argv: Sequence[str], names: Sequence[str]) -> str | None:
-    """The value the command line gave a flag (`--flag value` or `--flag=value`; the last one wins)."""
+    """The value the command line gave a flag (`--flag value` or `--flag=value`, `_` or `-` between words as tyro
+    takes them; the last one wins)."""
     value = None
     for i, token in enumerate(argv):
         flag, equals, rest = token.partition("=")
-        if flag in names:
+        if flag in names or (flag.startswith("--") and "--" + flag[2:].replace("_", "-") in names):
             value = rest if equals else (argv[i + 1] if i + 1 < len(argv) else None)
     return value
+
+
+def seed_spellings(argv: Sequence[str]) -> list[str]:
+    """A command line with the seed project's spellings (its README's commands) in today's: `--exploration-load
+    --path-to-model models/<run>/<step>/checkpoint.pt --path-to-replay-buffer models/<run>/<step>/replay_buffer.npz`
+    is `--exploration-from models/<run>/<step>` (a run keeps both files in one folder; the seed's .pth names find it
+    too), and `--feedback-server-url host:port` is http://host:port. UsageError where the spelling is incomplete."""
+    from pathlib import Path
+
+    argv, loading = list(argv), "--exploration-load" in argv
+    paths = {name: given_value(argv, [name]) for name in ("--path-to-model", "--path-to-replay-buffer")}
+    if loading or any(paths.values()):
+        missing = [name for name, path in paths.items() if path is None]
+        if not loading or missing:
+            raise UsageError(
+                "--exploration-load, --path-to-model and --path-to-replay-buffer come together (the seed's spelling); "
+                "today: --exploration-from models/<run>/<step>"
+            )
+        folders = {name: Path(path) if Path(path).is_dir() else Path(path).parent for name, path in paths.items()}
+        if len(set(folders.values())) > 1:
+            raise UsageError(
+                f"--path-to-model and --path-to-replay-buffer must be in one folder (a run saves both in "
+                f"models/<run>/<step>), got {folders['--path-to-model']} and {folders['--path-to-replay-buffer']}"
+            )
+        kept, value_next = [], False
+        for token in argv:
+            flag = token.split("=", 1)[0].replace("_", "-")
+            if not value_next and token != "--exploration-load" and flag not in paths:
+                kept.append(token)
+            value_next = flag in paths and "=" not in token
+        argv = [*kept, "--exploration-from", str(folders["--path-to-model"])]
+    url = given_value(argv, ["--feedback-server-url"])
+    if url is not None and "://" not in url:
+        at = max(i for i, token in enumerate(argv) if token.split("=", 1)[0] == "--feedback-server-url")
+        argv[at : at + (1 if "=" in argv[at] else 2)] = ["--feedback-server-url", f"http://{url}"]
+    return argv
 
 
 def one_line(event, args_class: type, argv: Sequence[str]) -> str | None:
@@ -143,9 +185,54 @@ def parse_args(args_class: type, args: Sequence[str] | None = None, default=None
         if line is not None:
             raise UsageError(line)
 
+    view = grouped_view(args_class, default)
     try:
         with on_parse_error(report) if on_parse_error is not None else contextlib.nullcontext():
-            return tyro.cli(args_class, args=argv, default=default)
+            if view is None:
+                return tyro.cli(args_class, args=argv, default=default)
+            parsed = tyro.cli(view, args=argv)
     except UsageError as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
+    values = {name: value for group in dataclasses.fields(parsed) for name, value in vars(getattr(parsed, group.name)).items()}
+    return args_class(**values)
+
+
+def grouped_view(args_class: type, default=None) -> type | None:
+    """The dataclass tyro parses a script's command line into, when its Args names `first_flags`: one nested dataclass
+    per titled group of args_source.help_groups (the flags to set first, then each settings class's), every flag
+    keeping its name (tyro.conf.OmitArgPrefixes), so that --help shows the groups under their titles. Defaults are
+    `default`'s (else args_class's); parse_args turns the parse back into args_class. None: the flat Args is parsed as
+    it is (no first_flags, or no source to read the groups from)."""
+    import inspect
+    import typing
+    from pathlib import Path
+
+    import tyro
+
+    from .args_source import help_groups
+
+    if not getattr(args_class, "first_flags", None):
+        return None
+    try:
+        path = Path(inspect.getsourcefile(args_class)).resolve()
+        groups = help_groups(path.parents[1], path, args_class.__name__)
+    except (TypeError, OSError, SyntaxError, LookupError):
+        return None
+    hints = typing.get_type_hints(args_class, include_extras=True)
+    default = default if default is not None else args_class()
+    members = []
+    for index, (title, description, fields) in enumerate(groups):
+        group_fields = []
+        for field in fields:
+            annotation, value = hints[field.name], getattr(default, field.name)
+            if typing.get_origin(annotation) is not typing.Annotated:
+                annotation = typing.Annotated[annotation, tyro.conf.arg(help=field.doc)]
+            group_fields.append((field.name, annotation, dataclasses.field(default_factory=lambda v=value: v)))
+        group = dataclasses.make_dataclass(f"Group{index}", group_fields)
+        group.__doc__ = description
+        annotated = typing.Annotated[group, tyro.conf.OmitArgPrefixes, tyro.conf.arg(name=title)]
+        members.append((f"group{index}", annotated, dataclasses.field(default_factory=group)))
+    view = dataclasses.make_dataclass(args_class.__name__, members)
+    view.__doc__ = args_class.__doc__
+    return view

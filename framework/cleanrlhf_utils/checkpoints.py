@@ -6,6 +6,7 @@ import pickle
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -17,6 +18,8 @@ from .errors import need, unreadable
 class ResumeArgs:
     """Periodic checkpoints and an exact resume from them (sac_rlhf.py, pref_ppo.py and the SAC baseline sac.py)."""
 
+    help_group: ClassVar[str] = "checkpoint"
+
     checkpoint_frequency: int = 100_000
     """environment steps between checkpoints to models/<run>/latest (PrefPPO: checked after each iteration; 0: only
     at the end)"""
@@ -27,6 +30,8 @@ class ResumeArgs:
 @dataclass
 class CheckpointArgs(ResumeArgs):
     """Checkpoints of the preference-learning scripts: ResumeArgs' and a reusable end of exploration."""
+
+    help_group: ClassVar[str] = "checkpoint"
 
     exploration_from: str | None = None
     """skip exploration: start from the agent and replay buffer another run saved when its exploration ended
@@ -106,9 +111,10 @@ def training_state(parts: dict, rng: np.random.Generator) -> dict:
     return {name: part.state_dict() for name, part in parts.items()} | rng_states(rng)
 
 
-OPTIONAL_PARTS = ("reward_training",)
-"""parts that only some runs checkpoint (a variant's reward training with state, RIME's): a run starting from another
-run's exploration checkpoint (--exploration-from), which had none, starts them fresh"""
+OPTIONAL_PARTS = ("reward_training", "after_session")
+"""parts that only some runs checkpoint (a variant's state: RIME's reward training, the agent resets of
+sac_rlhf_agent_reset.py): a run starting from another run's exploration checkpoint (--exploration-from), which had
+none, starts them fresh"""
 
 
 def load_training_state(parts: dict, rng: np.random.Generator, state: dict) -> None:

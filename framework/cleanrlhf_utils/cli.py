@@ -1,44 +1,20 @@
-"""`python script.py --flags`: the command line read into the script's Args (one-line errors, human-sized label
-defaults in human mode), the run started, and its failures turned into exit codes and a resume command."""
+"""`python script.py --flags`: the command line read into the script's Args (one-line errors, the defaults of
+presets.settings_defaults), the run started, and its failures turned into exit codes and a resume command."""
 
 import shlex
 import shutil
 import signal
 import sys
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 
-from .arguments import given_fields, parse_args
+from .arguments import UsageError, parse_args, seed_spellings
 from .errors import ConfigError
 from .feedback import FeedbackServerError
-from .presets import PresetError, preset_default
+from .presets import say_human_defaults, settings_defaults
 from .run import RunInterrupted
 from .stopping import stop_signals_handled, stopped_by
 from .tracking import SECRET_ARGS
-
-HUMAN_LABEL_DEFAULTS = {"teacher_feedback_total_queries": 100, "teacher_feedback_num_queries_per_session": 10}
-"""The label budget of --teacher-feedback-mode human where the command line sets none: 100 labels in 10 sessions, 22
-pairs in the first under the default exponential schedule (a few minutes of a person's time, at a few seconds a pair),
-instead of the synthetic teacher's 1000 in sessions from 224 pairs down; the human sweep (sweep_config/human.yaml)
-uses the same budget."""
-
-
-def human_sized_defaults(args, given: set[str], schedule: Callable | None = None):
-    """`args` with HUMAN_LABEL_DEFAULTS for each budget flag the command line did not set, in human mode (else `args`
-    itself), saying so in one line. `schedule`: the script's feedback_schedule, to say what the first session asks."""
-    if getattr(args, "teacher_feedback_mode", None) != "human":
-        return args
-    applied = {name: value for name, value in HUMAN_LABEL_DEFAULTS.items() if name not in given}
-    if not applied:
-        return args
-    args = replace(args, **applied)
-    flags = " ".join(f"--{name.replace('_', '-')} {value}" for name, value in applied.items())
-    total, per_session = args.teacher_feedback_total_queries, args.teacher_feedback_num_queries_per_session
-    sessions = schedule(total, per_session, args.teacher_feedback_schedule, args.teacher_feedback_exponential_decay) if schedule else []
-    plan = f"{sum(sessions)} labels over {len(sessions)} sessions, {sessions[0]} in the first" if sessions else f"{total} labels"
-    print(f"human mode: {plan} (human-sized defaults {flags}; give these flags to choose otherwise)")
-    return args
 
 
 def script_name(args_class: type) -> str:
@@ -48,20 +24,22 @@ def script_name(args_class: type) -> str:
 
 
 def command_line_args(args_class: type, argv: list[str] | None = None):
-    """The settings a command line (default: sys.argv[1:]) asks for: its --preset's values over the defaults (presets.py),
-    tyro's parse over those (its errors as one line), then, in human mode, human-sized defaults for the label budget
-    flags that neither the command line nor the preset sets."""
+    """The settings a command line (default: sys.argv[1:]) asks for: the seed project's spellings read as today's
+    (arguments.seed_spellings), tyro's parse of it (its errors as one line) onto the defaults presets.settings_defaults
+    stacks (the preset, the objective's needs, human mode's label budget), and the line saying what human mode sized."""
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        default, preset_fields = preset_default(args_class, argv, script=script_name(args_class))
-    except PresetError as error:
+        argv = seed_spellings(argv)
+        default, human_sized = settings_defaults(args_class, argv, script=script_name(args_class))
+    except (UsageError, ConfigError) as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
     args = parse_args(args_class, argv, default=default)
     # the feedback_schedule of the script that defines Args or one it builds on (a variant's Args extends sac_rlhf's)
     modules = (sys.modules.get(cls.__module__) for cls in args_class.__mro__)
     schedule = next((module.feedback_schedule for module in modules if hasattr(module, "feedback_schedule")), None)
-    return human_sized_defaults(args, given_fields(argv, args_class) | preset_fields, schedule)
+    say_human_defaults(args, human_sized, schedule)
+    return args
 
 
 def resume_command(argv: list[str], checkpoint: Path) -> str:
@@ -72,8 +50,9 @@ def resume_command(argv: list[str], checkpoint: Path) -> str:
     dropped = {"--resume", *(f"--{name.replace('_', '-')}" for name in SECRET_ARGS)}
     flags, skip = [], False
     for token in argv[1:]:
-        if skip or token in dropped or token.split("=", 1)[0] in dropped:
-            skip = token in dropped
+        name = token.split("=", 1)[0]
+        if skip or (name.startswith("--") and name.replace("_", "-") in dropped):  # --feedback_server_token=X too
+            skip = not skip and "=" not in token  # a flag without `=`: its value follows
             continue
         flags.append(token)
     on_path = shutil.which("python")  # `python` where it is this interpreter (an activated venv), else its full path

@@ -8,6 +8,7 @@ import functools
 import importlib
 import importlib.util
 import math
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -130,6 +131,19 @@ def check_can_render(env_id: str, feature: str) -> None:
         importlib.util.find_spec("pygame") is not None,
         f"{feature} renders --env-id {env_id} with pygame, which is not installed (pip install 'gymnasium[classic-control]')",
     )
+
+
+def check_render_mode(env_id: str, render_mode: str | None) -> None:
+    """--render-mode human draws the training environment in a window, through GLFW: a Gymnasium MuJoCo env (dm_control
+    and Meta-World draw offscreen only), a display to open the window on, and MUJOCO_GL left to GLFW."""
+    if render_mode is None:
+        return
+    windowed = is_mujoco_env(env_id) and not env_id.startswith(("dm_control/", METAWORLD_PREFIX))
+    need(windowed, f"--render-mode human draws Gymnasium MuJoCo envs only, not --env-id {env_id}; use --capture-video")
+    display = os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY")
+    need(display, "--render-mode human opens a window, and there is no display: run under xvfb-run, or use --capture-video")
+    backend = os.environ.get("MUJOCO_GL", "glfw")
+    need(backend == "glfw", f"--render-mode human draws through GLFW, and MUJOCO_GL is {backend}: unset MUJOCO_GL")
 
 
 def make_env(

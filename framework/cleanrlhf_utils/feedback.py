@@ -10,15 +10,17 @@ Every teacher answers `label(segments, session) -> (labels, annotators)`: `segme
 import contextlib
 import copy
 import functools
+import hmac
 import json
 import os
 import queue
+import secrets
 import sys
 import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import ClassVar, Literal, Protocol
 
 import numpy as np
 
@@ -33,6 +35,8 @@ from .stopping import stoppable_at_once
 @dataclass
 class FeedbackArgs:
     """Who labels, and how people are reached: the feedback server, its clips, or an earlier run's labels."""
+
+    help_group: ClassVar[str] = "teacher"
 
     teacher_feedback_mode: Literal["simulated", "human", "file"] = "simulated"
     """who labels: `simulated` (synthetic teacher on the true reward), `human` (people in the browser, through
@@ -82,6 +86,9 @@ class FeedbackArgs:
     """--feedback-async: environment steps between two reads of the server's answers (one short request each)"""
     feedback_async_update_every: int = 0
     """--feedback-async: update the reward model every this many new labels of the open session (0: once all are in)"""
+    feedback_login_link: bool = False
+    """human mode: print a new one-time login link also when the run is resumed (a run that starts afresh prints one;
+    browsers logged in before stay logged in across a resume)"""
 
 
 def need_no_teacher(args: FeedbackArgs, flag: str, why: str) -> None:
@@ -163,6 +170,7 @@ class FeedbackClient:
         self.retry_seconds = self.RETRY_SECONDS if retry_seconds is None else retry_seconds
         self.on_outage = None  # called with the failure once per outage (see OUTAGE_SECONDS)
         self.away, self.failing_since = False, None
+        self.proven = False  # the server at url answered this token's challenge since it last went away (prove)
 
     # A server that refuses connections is away at once; one that is slow to answer (busy storing a large upload) only
     # once its requests have failed for this long.
@@ -182,6 +190,8 @@ class FeedbackClient:
         deadline, delay = time.monotonic() + self.retry_seconds, 0.25
         while True:
             try:
+                if self.token and not self.proven:
+                    self.prove()
                 req = urllib.request.Request(self.url + path, data=data, headers=headers, method=method)
                 with urllib.request.urlopen(req, timeout=self.timeout) as response:
                     reply = json.loads(response.read() or b"{}")
@@ -201,6 +211,7 @@ class FeedbackClient:
                 # ValueError: a reply cut short by a dying server; every request is idempotent, so re-send it.
                 reason = getattr(error, "reason", error)
                 failure = str(reason) or type(error).__name__
+                self.proven = False  # whatever answers there next proves itself again before it gets the token
                 if isinstance(reason, ConnectionRefusedError):  # nothing listens: away now, whatever came before
                     self.failing_since = -float("inf")
             self.failing_since = time.monotonic() if self.failing_since is None else self.failing_since
@@ -212,8 +223,32 @@ class FeedbackClient:
             time.sleep(delay)
             delay = min(delay * 2, 10.0)
 
+    def prove(self) -> None:
+        """Asks what answers at url to prove it holds this client's token (an HMAC of a fresh nonce,
+        protocol.server_proof) before the token is sent there: something else on the port (a squatter, another program,
+        a server with another token) never receives it, and is refused in one line (FeedbackServerError). A connection
+        that fails propagates, for the caller to retry."""
+        import urllib.error
+        import urllib.request
+
+        nonce = secrets.token_urlsafe(24)
+        try:
+            with urllib.request.urlopen(f"{self.url}{protocol.SERVER_PROOF}?nonce={nonce}", timeout=self.timeout) as response:
+                proof = json.loads(response.read()).get("proof")
+        except urllib.error.HTTPError:  # an HTTP answer, but no proof
+            proof = None
+        except (ValueError, AttributeError):  # not the JSON object a feedback server answers
+            proof = None
+        if not (isinstance(proof, str) and hmac.compare_digest(proof, protocol.server_proof(self.token, nonce))):
+            raise FeedbackServerError(
+                f"something answers at {self.url} that cannot prove it holds this run's token (not this run's feedback server, "
+                "or one with another token); the token was not sent: stop what listens there, or use another --feedback-server-url"
+            )
+        self.proven = True
+
     def alive(self) -> bool:
-        """Whether a server answers at this URL; FeedbackServerError if it refuses this client's token."""
+        """Whether a server answers at this URL; FeedbackServerError if it refuses this client's token, or cannot prove
+        it holds it."""
         try:
             self.request("GET", protocol.CONFIG, retry=False)
             return True
@@ -242,8 +277,9 @@ class FeedbackClient:
             "POST", protocol.path(protocol.RUN_EVALUATIONS, run_id=run_id), fields={"evaluations": json.dumps(evaluations)}, files=clips
         )
 
-    def report_progress(self, run_id: int, report: dict, retry: bool = True) -> None:
-        self.request("POST", protocol.path(protocol.RUN_PROGRESS, run_id=run_id), json_body=report, retry=retry)
+    def report_progress(self, run_id: int, report: dict, retry: bool = True) -> dict:
+        """The server's reply: its label_seq is the last label write before the report was stored."""
+        return self.request("POST", protocol.path(protocol.RUN_PROGRESS, run_id=run_id), json_body=report, retry=retry)
 
 
 def start_feedback_server(url: str, log_path: Path, token: str, data_dir: Path | None = None):
@@ -335,8 +371,10 @@ class Teacher(Protocol):
         answer now, or a skip): people change their minds. None: this teacher's labels never change once given."""
         return None
 
-    def stop_learning(self) -> None:
-        """The run reads no answer after this (its end): a teacher that tells people says so before the last read."""
+    def stop_learning(self) -> bool:
+        """The run reads no answer after this (its end): a teacher that tells people says so before the last read.
+        Returns whether the run has finished (an answer given from now on is not learned by it)."""
+        return False
 
     def close(self) -> None:
         pass
@@ -394,6 +432,9 @@ class HumanTeacher(Teacher):
         self.outage_lock = threading.Lock()
         self.next_report, self.reporter, self.rate_mark, self.steps_per_second = 0.0, None, None, None
         self.agreement: dict[str, float] = {}  # annotator -> share of their labels the reward model agrees with
+        # the last label write the run reads (set when it tells the server it has finished: what the page tells a person
+        # who answers later, "not learned by this run", stays true); None: every one
+        self.read_until: int | None = None
 
     progress_seconds = 5.0  # the trainer reports its progress to the server at most this often
 
@@ -512,6 +553,8 @@ class HumanTeacher(Teacher):
         # holds training up for the main client's 30 s.
         client = self.client if retry else self.progress_client
         new, self.cursor = client.answers(self.run_id, self.cursor, retry)
+        if self.read_until is not None:  # the run has finished: later answers were told they are not learned
+            new, self.cursor = [a for a in new if a["seq"] <= self.read_until], min(self.cursor, self.read_until)
         for answer in new:
             if answer["choice"] == "undone":
                 self.answers.pop(answer["query_id"], None)
@@ -665,20 +708,29 @@ class HumanTeacher(Teacher):
         resumed run sees later changes to earlier sessions' answers against them)."""
         opened = None if self.open is None else {"session": self.open["session"], "query_ids": list(self.open["query_ids"])}
         pairs = [[session, index, qid] for (session, index), qid in self.pair_query.items()]
-        return {"cursor": self.cursor, "open": opened, "answers": copy.deepcopy(self.answers), "pairs": pairs}
+        state = {"cursor": self.cursor, "open": opened, "answers": copy.deepcopy(self.answers), "pairs": pairs}
+        return state | {"step": int(self.step), "sessions_done": int(self.sessions_done)}  # a resumed run's first news
 
     def load_state_dict(self, state: dict) -> None:
         self.cursor, self.open = state["cursor"], copy.deepcopy(state.get("open"))
+        self.step, self.sessions_done = state.get("step", 0), state.get("sessions_done", 0)
         self.answers = copy.deepcopy(state.get("answers", {}))
         self.pair_query = {(session, index): qid for session, index, qid in state.get("pairs", [])}
 
-    def stop_learning(self) -> None:
+    def stop_learning(self) -> bool:
         """The last news before the last read of answers: the run has ended (an answer given now is not learned from),
-        or stopped before its end (its resume will learn it); the page says which when a person changes an answer."""
+        or stopped before its end (its resume will learn it); the page says which when a person changes an answer. A
+        finished run reads answers up to that news and no further (read_until). Said once."""
+        finished = bool(self.total_steps) and self.step >= self.total_steps
+        if self.next_report == float("inf"):
+            return finished
         self.next_report = float("inf")
         with contextlib.suppress(Exception):
-            phase = "finished" if self.total_steps and self.step >= self.total_steps else "stopped"
-            self.progress_client.report_progress(self.run_id, self.progress_report(phase), retry=False)
+            report = self.progress_report("finished" if finished else "stopped")
+            reply = self.progress_client.report_progress(self.run_id, report, retry=False)
+            if finished:
+                self.read_until = int(reply["label_seq"])
+        return finished
 
     def close(self) -> None:
         self.stop_learning()
@@ -801,7 +853,8 @@ class FeedbackSession:
     --feedback-async the next session's pairs can go up before that unit (`stage`), so that people label on while the
     reward model learns; they are checkpointed too, and `take_staged` hands them to `start`."""
 
-    def __init__(self):
+    def __init__(self, teacher=None, label_log: "LabelLog | None" = None, args=None):
+        self.teacher, self.label_log, self.args = teacher, label_log, args  # whom it asks, where answers go, settings
         self.number, self.segments, self.before = 0, None, None
         self.trainer_idle = self.people_idle = self.session_trainer_idle = 0.0
         self.opened_at = self.completed_at = None
@@ -815,20 +868,23 @@ class FeedbackSession:
         self.rows: dict[tuple[int, int], int] = {}  # (session, pair) -> preference-buffer row of each label recorded
         self.unlabelled: dict[tuple[int, int], dict] = {}  # (session, pair) -> arrays of a person's pair without a label
         self.step_wait = self.longest_wait = (-1, 0.0)  # (step, seconds on feedback): the current step's, the longest's
+        self.open_labels_kept = 0  # labels of the open session written to the label log when a stop cut it short
 
     @property
     def open(self) -> bool:
         return self.segments is not None
 
-    def ready(self, teacher, label_log: "LabelLog", args, step: int, last: bool, done: int, sessions: int, due, choose_pairs) -> bool:
-        """The session's part of a training step; True when the reward model is to learn from its answers now. Opens
-        session done + 1 of `sessions` once `due(done)` (its pairs staged earlier, or `choose_pairs(number)`), asks the
-        teacher (`ask`), and with --feedback-async, once all answers are in, puts the next session's pairs up if it is
-        due, so that people label them while the reward model learns. The time it takes counts as the step's wait on
-        feedback (`waited`), but at the run's last step, where the run waits for the open session by design."""
+    def answers_in(self, step: int, last: bool, due: int, choose_pairs) -> bool:
+        """Whether the reward model is to learn from the open session's answers now: the teacher is asked (`ask`: a
+        synthetic teacher or a file answers at once, people are waited for, or with --feedback-async read now and then
+        without waiting, and a resumed half-answered session asks its remaining pairs). `due`: how many sessions' steps
+        have come. With --feedback-async a session people left gives way once the next one is due, and once all answers
+        are in, the next session's pairs go up if it is due (`choose_pairs(number)`), so that people label them while
+        the reward model learns. The time it takes counts as the step's wait on feedback (`waited`), but at the run's
+        last step, where the run waits for the open session by design."""
         begun = time.perf_counter()
         try:
-            return self._ready(teacher, label_log, args, step, last, done, sessions, due, choose_pairs)
+            return self._answers_in(step, last, due, choose_pairs)
         finally:
             if not last:
                 self.waited(time.perf_counter() - begun, step)
@@ -841,19 +897,16 @@ class FeedbackSession:
         if self.step_wait[1] > self.longest_wait[1]:
             self.longest_wait = self.step_wait
 
-    def _ready(self, teacher, label_log: "LabelLog", args, step: int, last: bool, done: int, sessions: int, due, choose_pairs) -> bool:
-        if not self.open and done < sessions and due(done):
-            number = done + 1  # checkpoints keep the open session's pairs
-            self.start(self.take_staged(number) or choose_pairs(number), number)
-        if self.open and args.feedback_async and self.number < sessions and due(self.number) and self.left(teacher):
-            self.closing = True  # the next session is due: learn from what is in and ask newer pairs (late answers still count)
+    def _answers_in(self, step: int, last: bool, due: int, choose_pairs) -> bool:
+        teacher, args = self.teacher, self.args
+        if args.feedback_async and self.number < due and self.left(teacher):
+            self.closing = True  # the next session is due: learn from what is in and ask newer pairs (late answers count)
             teacher.finish()
             return True
-        if not (self.open and self.ask(teacher, label_log, args, step, last)):
+        if not self.ask(teacher, self.label_log, args, step, last):
             return False
-        number = self.number + 1
-        if self.stages_next(args, last) and number <= sessions and due(self.number):
-            self.stage(choose_pairs(number), number, teacher)
+        if self.stages_next(args, last) and self.number < due:
+            self.stage(choose_pairs(self.number + 1), self.number + 1, teacher)
         return True
 
     GIVE_WAY_SECONDS = 60.0  # --feedback-async: a session nobody answered for this long, all its pairs up, gives way
@@ -916,6 +969,7 @@ class FeedbackSession:
                 except SessionInterrupted as partial:
                     query_ids = teacher.pair_ids(self.number, len(partial.labels))
                     label_log.append(self.segments, partial.labels, partial.annotators, self.number, step, query_ids)
+                    self.open_labels_kept = int(np.count_nonzero(~np.isnan(partial.labels)))
                     raise
                 self.labels, self.annotators, self.answered = labels, list(annotators), np.ones(len(labels), bool)
                 self.recorded = self.recorded[: len(labels)]  # a file teacher may answer fewer pairs than asked
@@ -997,21 +1051,29 @@ class FeedbackSession:
         loop.labels_obtained += len(added) - len(dropped)
         return changed + len(added)
 
-    def settle(self, teacher, prefs, label_log: "LabelLog", loop, heldout_fraction: float, rng) -> None:
+    def settle(self, teacher, prefs, label_log: "LabelLog", loop, heldout_fraction: float, rng) -> bool:
         """At the run's end: people's latest answers into the label log and the preference buffer (reconcile), and one
-        line saying whether the run keeps the labels the feedback server has."""
+        line saying whether the run keeps the labels the feedback server has. A finished run reads the answers given up
+        to the moment it told the server so (what the page told each person, learned or not, is what happens) and
+        returns whether they changed its labels since its last reward update: the caller then fits the reward model once
+        more and saves it, so that the final model learns them."""
         if not self.people_answer:
-            return
-        teacher.stop_learning()
-        self.reconcile(teacher, prefs, label_log, loop, heldout_fraction, rng)
+            return False
+        finished = teacher.stop_learning()
+        changed = self.reconcile(teacher, prefs, label_log, loop, heldout_fraction, rng)
         latest = teacher.latest_labels(list(self.rows))
+        open_kept = f" ({self.open_labels_kept} of the open session, which --resume finishes)" if self.open_labels_kept else ""
+        kept = f"{len(self.rows) + self.open_labels_kept} labels{open_kept}"
         if latest is None:
-            print("labels: the feedback server did not answer at the end; toolbox/labels.py check <run folder> compares them later")
-            return
-        differ = [pair for pair, label in zip(self.rows, latest[0]) if label != prefs.labels[self.rows[pair]]]
-        kept = f"{len(self.rows)} labels"
-        print(f"labels: the run keeps {kept}, each as the feedback server has it" if not differ else
-              f"labels: {len(differ)} of the run's {kept} differ from the feedback server's; toolbox/labels.py check names them")  # fmt: skip
+            print(f"labels: the run keeps {kept}; the feedback server did not answer at the end, toolbox/labels.py check "
+                  "<run folder> compares them later")  # fmt: skip
+        else:
+            differ = [pair for pair, label in zip(self.rows, latest[0]) if label != prefs.labels[self.rows[pair]]]
+            print(f"labels: the run keeps {kept}, each as the feedback server has it" if not differ else
+                  f"labels: {len(differ)} of the run's {kept} differ from the feedback server's; toolbox/labels.py check names them")  # fmt: skip
+        if finished and changed:
+            print(f"labels: {changed} changed after the last reward update; the reward model learns them in one more fit")
+        return finished and changed > 0
 
     def drop(self, pairs: list[tuple[int, int]], prefs) -> None:
         """Takes the labels of `pairs` out of the preference buffer, keeping each pair's arrays (unlabelled)."""
@@ -1057,11 +1119,11 @@ class FeedbackSession:
             )
 
 
-def record_labels(prefs, label_log: LabelLog, session: FeedbackSession, loop, heldout_fraction: float, rng, teacher) -> None:
+def record_labels(prefs, label_log: LabelLog, session: FeedbackSession, loop, heldout_fraction: float, rng, teacher) -> int:
     """The session's answers not recorded yet into the preference buffer (a random heldout_fraction of them held out
-    for validation) and into runs/<run>/labels.sqlite; skipped ones (nan) are only counted. The session counts as
-    done once all its answers are recorded (or it gives way to the next one: its unanswered pairs wait, unlabelled,
-    for a late answer). Earlier sessions' labels are first brought to the teacher's latest answers (reconcile; how many
+    for validation) and into runs/<run>/labels.sqlite; skipped ones (nan) are only counted. Returns 1 when the session
+    is complete, all its answers recorded (or it gave way to the next one: its unanswered pairs wait, unlabelled, for
+    a late answer), else 0: what the training loop adds to the sessions done. Earlier sessions' labels are first brought to the teacher's latest answers (reconcile; how many
     changed is logged with the session)."""
     begun = time.perf_counter()
     session.corrections = session.reconcile(teacher, prefs, label_log, loop, heldout_fraction, rng)
@@ -1083,7 +1145,7 @@ def record_labels(prefs, label_log: LabelLog, session: FeedbackSession, loop, he
     loop.labels_obtained += int(answered.sum())
     loop.queries_skipped += int((new & ~answered).sum())
     session.recorded |= new | session.closing
-    loop.sessions_done += int(session.recorded.all())
+    return int(session.recorded.all())
 
 
 def read_label_file(path: str | Path) -> tuple[dict, np.ndarray]:
@@ -1103,6 +1165,27 @@ def read_label_file(path: str | Path) -> tuple[dict, np.ndarray]:
     return stacked, np.array([row[0] for row in rows], dtype=np.float32)
 
 
+NO_SERVER_SECONDS = 10.0  # how long a human run waits for a server it does not start itself before it stops
+
+
+def wait_for_server(client: FeedbackClient) -> None:
+    """A server the run does not start must answer: when nothing does, the run says so at once, waits NO_SERVER_SECONDS
+    (for one being started meanwhile) and stops in one line, before it has built anything."""
+    if client.alive():
+        return
+    print(
+        f"feedback server: nothing answers at {client.url}; start one (cleanrlhf-feedback-server, its token for the run in "
+        f"{protocol.TOKEN_ENV}) or add --feedback-server-autostart to let the run start its own; waiting {NO_SERVER_SECONDS:g} s",
+        flush=True,
+    )
+    deadline = time.monotonic() + NO_SERVER_SECONDS
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        if client.alive():
+            return
+    raise FeedbackServerError(f"no feedback server answers at {client.url}: start one, or add --feedback-server-autostart")
+
+
 def connect_human_teacher(args, run_name: str, run_dir: Path, clip_dir: Path, objective_returns=None) -> HumanTeacher:
     """A HumanTeacher for this run: the feedback server (started as a child process with
     --feedback-server-autostart when none answers there), this run registered on it, and a renderer for clips.
@@ -1118,19 +1201,23 @@ def connect_human_teacher(args, run_name: str, run_dir: Path, clip_dir: Path, ob
     )
     server_process = None
     token = feedback_token(args, run_dir)
+    client = FeedbackClient(args.feedback_server_url, token)
     if args.feedback_server_autostart:
         data_dir = Path(args.feedback_server_data_dir) if args.feedback_server_data_dir else run_dir / "feedback_data"
         server_process = start_feedback_server(args.feedback_server_url, run_dir / "feedback_server.log", token, data_dir)
-    client = FeedbackClient(args.feedback_server_url, token)
+    else:
+        wait_for_server(client)
     renderer = SegmentRenderer(args.env_id, args.clip_width, args.clip_height, shadows=False)  # 3x faster with software GL
     fps = args.clip_fps or real_time_fps(renderer.env)
     meta = {"seed": args.seed, "segment_length": args.segment_length, "instructions": args.feedback_instructions.strip()}
     run_id = client.create_run(run_name, args.env_id, meta | {"clip_fps": fps, "clip_seconds": round(args.segment_length / fps, 3)})
     if token is None:
         print(f"feedback server: label at {args.feedback_server_url}/ (run {run_id})")
-    else:  # one-time: once opened, a copy of the line in a log (or W&B's console capture) lets nobody in
+    elif getattr(args, "resume", None) and not args.feedback_login_link:  # browsers logged in before stay logged in
+        print(f"feedback server: label at {args.feedback_server_url}/ (run {run_id}); a new login link: --feedback-login-link")
+    else:  # one-time and short-lived: once opened or expired, a copy of the line in a log lets nobody in
         link, seconds = client.login_link()
-        print(f"feedback server: log in at {link} (the link works once, within {seconds / 3600:g} h; run {run_id})")
+        print(f"feedback server: log in at {link} (the link works once, within {seconds / 60:g} min; run {run_id})")
     restart = None
     if server_process is not None:
         restart = functools.partial(start_feedback_server, args.feedback_server_url, run_dir / "feedback_server.log", token, data_dir)

@@ -33,14 +33,12 @@ unless the command line sets that field). examples/objectives/my_objective.py is
 import dataclasses
 import importlib
 import inspect
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
 
-from .arguments import given_fields
 from .errors import ConfigError, need
 
 Array = np.ndarray
@@ -462,29 +460,34 @@ def env_name(env_id: str) -> str:
     return parse_env_id(env_id.rpartition(":")[2])[1]
 
 
-def apply_objective(args, argv: list[str] | None = None, field: str = "teacher_objective") -> Objective | None:
-    """Validate --teacher-objective (or the objective flag of Args `field`) against the run's settings and set what it
-    needs: an objective for another env, or a setting the command line contradicts, is a ConfigError (one line).
-    `argv`: the command line (default sys.argv), where a flag given explicitly wins over the objective's need, and is
-    therefore refused."""
-    objective = load_objective(getattr(args, field, ""), "--" + field.replace("_", "-"))
+def objective_settings(args_class: type, name: str) -> dict:
+    """What --teacher-objective NAME (or --reward-objective) sets unless the command line says otherwise: its needs
+    (Objective.settings) and its defaults, for the fields args_class has. The defaults a command line is parsed onto
+    take them (presets.settings_defaults); a command line that contradicts a need is refused by
+    check_objective_settings."""
+    objective = load_objective(name)
+    if objective is None:
+        return {}
+    fields = {field.name for field in dataclasses.fields(args_class)}
+    return {key: value for key, value in (objective.defaults | objective.settings).items() if key in fields}
+
+
+def check_objective_settings(args, field: str = "teacher_objective") -> Objective | None:
+    """The objective of Args `field` (--teacher-objective; --reward-objective for sac.py) against the run's settings,
+    returned (None: no objective): one for another env, or a run without a setting it needs (the command line gave the
+    opposite), is a ConfigError in one line. Changes nothing: the objective's needs are the run's defaults already."""
+    flag = "--" + field.replace("_", "-")
+    objective = load_objective(getattr(args, field, ""), flag)
     if objective is None:
         return None
-    name, flag = env_name(args.env_id), "--" + field.replace("_", "-")
+    name = env_name(args.env_id)
     need(
         not objective.envs or name in objective.envs,
         f"{flag} {objective.name} is for {' / '.join(objective.envs)}, not --env-id {args.env_id}",
     )
-    given = given_fields(sys.argv[1:] if argv is None else argv, type(args))
     for setting, value in objective.settings.items():
-        if getattr(args, setting, value) == value:
-            continue
-        need(setting not in given, f"{flag} {objective.name} needs {setting}={value}: drop --{setting.replace('_', '-')}")
-        if dataclasses.is_dataclass(args) and hasattr(args, setting):
-            setattr(args, setting, value)
-    for setting, value in objective.defaults.items():
-        if setting not in given and dataclasses.is_dataclass(args) and hasattr(args, setting):
-            setattr(args, setting, value)
+        if hasattr(args, setting):
+            need(getattr(args, setting) == value, f"{flag} {objective.name} needs {setting}={value}: drop --{setting.replace('_', '-')}")
     return objective
 
 

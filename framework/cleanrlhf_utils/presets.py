@@ -1,22 +1,21 @@
-"""Presets: named groups of settings that several run scripts share (`--preset dmc-qpa`), so that a script under scripts/
-is one command line plus what is specific to its task (env id, steps, label budget, learning rates).
+"""Where a run's defaults come from, in one place: the dataclass defaults, the named presets (`--preset dmc-qpa`)
+that several run scripts share, what a --teacher-objective needs, and the human-sized label budget of human mode.
+`settings_defaults` stacks them into the defaults a command line is parsed onto, for every script, sweep.py and the
+tests alike; nothing else rewrites a setting, and validation only checks.
 
-Data with one owner: PRESETS below (name -> one-line description and {Args field: value}). Nothing else defines them;
-the flag's --help, the refusals and the scripts all read this table.
+Precedence (one rule):
+    the dataclass default < the preset < the objective's needs and defaults < a sweep config's fixed values
+    < a flag given on the command line (always wins)
+and in human mode the human-sized label budget (HUMAN_LABEL_DEFAULTS) fills only the budget flags that neither the
+command line nor the preset nor the sweep config sets. A command line that contradicts what the objective needs is
+refused by the script's validation (objectives.check_objective_settings).
 
-Precedence (one rule, the same for a script's command line, sweep.py and the tests):
-    the dataclass default < the preset < a flag given on the command line (always wins)
-and in human mode the human-sized label budget (cli.HUMAN_LABEL_DEFAULTS) fills only the budget flags that neither
-the command line nor the preset sets. sweep.py: the default < the preset (after `--`, else the config's fixed
-`preset`) < the config's fixed values < the flags after `--`; a preset cannot be swept.
-
-One table for both algorithm scripts (sac_rlhf.py and pref_ppo.py both have --preset): a preset applies to a script
-when every field it sets is one of that script's Args fields, checked when it is asked for, so nothing lists which
-script a preset is for. A preset naming a field the script lacks is refused with one line (exit 2), e.g. `--preset
-dmc` with pref_ppo.py (it has no --actor-hidden-dim): the presets here are the run scripts' PEBBLE/QPA settings.
-
-The chosen preset is itself a setting (the `preset` field), so runs/<run>/args.json records its name beside every
-resolved value, as it records all settings. Light on imports (no torch): the CLI reads it before anything else."""
+PRESETS below (name -> one-line description and {Args field: value}) is the presets' one owner; the flag's --help,
+the refusals and the scripts all read this table. One table for both algorithm scripts: a preset applies to a script
+when every field it sets is one of that script's Args fields, checked when it is asked for. A preset naming a field
+the script lacks is refused with one line (exit 2), e.g. `--preset dmc` with pref_ppo.py (it has no
+--actor-hidden-dim). The chosen preset is itself a setting (the `preset` field), so runs/<run>/args.json records its
+name beside every resolved value. Light on imports (no torch): the CLI reads it before anything else."""
 
 import dataclasses
 from collections.abc import Sequence
@@ -25,7 +24,8 @@ from typing import Annotated, Any, Literal
 
 import tyro
 
-from .arguments import UsageError, given_value
+from .arguments import UsageError, given_fields, given_value
+from .objectives import objective_settings
 
 
 @dataclass(frozen=True)
@@ -186,11 +186,48 @@ def preset_values(args_class: type, name: str, script: str = "this script") -> d
     return {**PRESETS[name].values, "preset": name}
 
 
-def preset_default(args_class: type, argv: Sequence[str], base=None, script: str = "this script"):
-    """(the default instance tyro parses argv onto, the fields the preset set): `base` (default: args_class()) with the
-    preset argv asks for; (base, empty set) where it asks for none."""
-    name = chosen(argv)
-    if name is None:
-        return base, set()
-    values = preset_values(args_class, name, script)
-    return dataclasses.replace(args_class() if base is None else base, **values), set(values) - {"preset"}
+HUMAN_LABEL_DEFAULTS = {"teacher_feedback_total_queries": 100, "teacher_feedback_num_queries_per_session": 10}
+"""The label budget of --teacher-feedback-mode human where nothing else sets one: 100 labels in 10 sessions, 22 pairs in
+the first under the default exponential schedule (a few minutes of a person's time, at a few seconds a pair), instead
+of the synthetic teacher's 1000 in sessions from 224 pairs down; the human sweep (sweep_config/human.yaml) uses the
+same budget."""
+
+OBJECTIVE_FIELDS = ("teacher_objective", "reward_objective")
+"""the settings that name a run's objective (PEBBLE's and PrefPPO's teacher, sac.py's reward)"""
+
+
+def settings_defaults(args_class: type, argv: Sequence[str], fixed: dict | None = None, script: str = "this script", swept=()):
+    """(the instance a command line `argv` is parsed onto, the budget fields human mode sized): args_class's defaults
+    with, in turn, the --preset's values, the objective's needs and defaults, `fixed` (a sweep config's fixed values)
+    and, in human mode, HUMAN_LABEL_DEFAULTS for the budget fields none of these, argv nor `swept` (the names a sweep
+    samples) sets. PresetError, or a ConfigError for an objective that does not load, in one line."""
+    argv, fixed = list(argv), dict(fixed or {})
+    name = chosen(argv) or fixed.get("preset")
+    fixed.pop("preset", None)
+    base = args_class()
+    preset = preset_values(args_class, name, script) if name is not None else {}
+    layers = dict(preset)
+    for field in OBJECTIVE_FIELDS:
+        if hasattr(base, field):
+            objective = given_value(argv, [flag(field)]) or fixed.get(field, layers.get(field, getattr(base, field)))
+            layers |= objective_settings(args_class, objective)
+    layers |= fixed
+    mode = given_value(argv, ["--teacher-feedback-mode"]) or layers.get("teacher_feedback_mode")
+    mode = mode or getattr(base, "teacher_feedback_mode", None)
+    taken = set(preset) | set(fixed) | set(swept) | given_fields(argv, args_class)
+    human = {key: value for key, value in HUMAN_LABEL_DEFAULTS.items() if key not in taken and hasattr(base, key)}
+    human = human if mode == "human" else {}
+    return dataclasses.replace(base, **layers, **human), set(human)
+
+
+def say_human_defaults(args, sized: set[str], schedule=None) -> None:
+    """The one line that says human mode sized the label budget (`sized`: the fields it set), and what the first
+    session asks. `schedule`: the script's feedback_schedule."""
+    if not sized:
+        return
+    flags = " ".join(f"{flag(name)} {getattr(args, name)}" for name in HUMAN_LABEL_DEFAULTS if name in sized)
+    total, per_session = args.teacher_feedback_total_queries, args.teacher_feedback_num_queries_per_session
+    kind, decay = args.teacher_feedback_schedule, args.teacher_feedback_exponential_decay
+    sessions = schedule(total, per_session, kind, decay) if schedule else []
+    plan = f"{sum(sessions)} labels over {len(sessions)} sessions, {sessions[0]} in the first" if sessions else f"{total} labels"
+    print(f"human mode: {plan} (human-sized defaults {flags}; give these flags to choose otherwise)")

@@ -8,8 +8,9 @@ import os
 import re
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from typing import ClassVar
 
 from .checkpoints import (
     checkpoint_file,
@@ -24,13 +25,15 @@ from .envs import capture_env_state, restore_env_state
 from .errors import need
 from .evaluate import evaluate_and_log
 from .feedback import FeedbackServerError
-from .stopping import stop_between_steps
+from .stopping import stop_between_steps, stop_here_if_requested
 from .tracking import announce_run, default_run_name, progress_bar, public_settings, run_summary, start_logging, stop_logging, write_summary
 
 
 @dataclass
 class RunArgs:
     """What every script's run has: its name and seed, where it computes, what it logs and how it is evaluated."""
+
+    help_group: ClassVar[str] = "run"
 
     exp_name: str = "run"
     """the name of this experiment (part of the run name)"""
@@ -135,7 +138,8 @@ class Run:
         saved = self.resumed or load_checkpoint(folder / "checkpoint.pt")
         load_training_state(parts if self.resumed else {k: v for k, v in parts.items() if k != "teacher"}, rng, saved)
         rb.load(folder / "replay_buffer.npz")
-        loop = type(loop)(**saved["loop"])
+        kept = {field.name for field in fields(loop)}  # a counter the script no longer keeps is left behind
+        loop = type(loop)(**{name: value for name, value in saved["loop"].items() if name in kept})
         labels = f" with {loop.labels_obtained} labels" if hasattr(loop, "labels_obtained") else ""
         resumed = f"resumed {self.name} at step {loop.global_step}{labels}"
         print(resumed if self.resumed else f"loaded exploration checkpoint at step {loop.global_step}")
@@ -174,6 +178,20 @@ class Run:
             if self.progress is not None:
                 self.progress.update(loop.global_step - self.progress.n)
                 self.progress.close()
+
+    def steps(self, loop, total: int):
+        """The training loop's steps, loop.global_step until `total` (the loop body advances it): a stop asked for
+        (Ctrl-C, SIGTERM) ends the loop here, between two steps, never inside one."""
+        while loop.global_step < total:
+            stop_here_if_requested()
+            yield loop.global_step
+
+    def iterations(self, loop, total: int):
+        """The training loop's iterations (an on-policy script's rollouts), loop.iteration until `total` (the loop body
+        advances it), stopping between two iterations when asked to, as `steps` does between two steps."""
+        while loop.iteration < total:
+            stop_here_if_requested()
+            yield loop.iteration
 
     def elapsed(self) -> float:
         """Seconds since the training loop began (in this process)."""

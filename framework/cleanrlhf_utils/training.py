@@ -2,7 +2,6 @@
 episode bookkeeping PPO builds on them, frozen weights, and whether a step crossed a period."""
 
 import contextlib
-import functools
 import random
 
 import numpy as np
@@ -151,18 +150,6 @@ class NormalizedPolicy(torch.nn.Module):
 
     def deterministic_action(self, x: torch.Tensor) -> torch.Tensor:
         return self.agent.deterministic_action(self.normalize(x.to(self.obs_mean.device)))
-
-
-def outputs_copied(step):
-    """`step` (a function returning a dict of tensors) with its outputs copied as they come out. A CUDA graph
-    (--cudagraphs) returns tensors in its static memory, which the next replay of any of the run's graphs overwrites,
-    and an update's stats are read later (logging), after more replays."""
-
-    @functools.wraps(step)
-    def copied(*args):
-        return {name: value.clone() for name, value in step(*args).items()}
-
-    return copied
 
 
 @contextlib.contextmanager
