@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs what the full test suite needs beyond `pip install -e ".[dev]"`, so that no test skips for want of it:
 #   - Chromium (Debian's `chromium` package): the browser test of the feedback page, tests/test_feedback_page.py
+#   - Xvfb (`xvfb-run`): the seed README's headless and --render-mode human commands, tests/test_seed_commands.py
 #   - a one-node SLURM (controller, node daemon, client commands, MUNGE), through .ci/install_slurm.sh:
 #     tests/test_slurm.py starts its own cluster with them
 #   - Poetry, in a venv of its own (its dependencies stay out of the project's), linked onto PATH: the clean-clone
@@ -31,6 +32,17 @@ elif as_root apt-get update -qq && as_root env DEBIAN_FRONTEND=noninteractive ap
 else
   echo "warning: chromium: could not install it (apt-get install chromium); tests/test_feedback_page.py will skip"
   missing+=(chromium)
+fi
+
+# --- Xvfb (xvfb-run): the seed README's headless command and --render-mode human, tests/test_seed_commands.py ---
+if command -v xvfb-run >/dev/null; then
+  echo "xvfb: already installed ($(command -v xvfb-run))"
+elif as_root apt-get update -qq && as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq xvfb >/dev/null &&
+  command -v xvfb-run >/dev/null; then
+  echo "xvfb: installed (apt-get install xvfb)"
+else
+  echo "warning: xvfb: could not install it (apt-get install xvfb); tests/test_seed_commands.py's Xvfb runs will skip"
+  missing+=(xvfb)
 fi
 
 # --- SLURM (the CI's installer, which warns itself where it fails) ---

@@ -48,8 +48,9 @@ class Args:
     """the script whose hyperparameters are tuned; default: the config's `program`, else sac-rlhf"""
     sweep_count: int = 20
     """trials this process runs (with SLURM: per array task)"""
-    backend: Literal["optuna", "wandb"] = "optuna"
-    """`optuna`: no account needed, the study lives in --storage; `wandb`: a W&B sweep (needs an account)"""
+    backend: Literal["optuna", "wandb"] | None = None
+    """`optuna`: no account needed, the study lives in --storage; `wandb`: a W&B sweep (needs an account). Default:
+    wandb where a W&B flag (--project-name, --entity, --sweep-id) is given, else optuna"""
 
     # --- optuna ---
     storage: str = "sqlite:///sweeps.db"
@@ -67,8 +68,8 @@ class Args:
     """never prune before this environment step; default: the end of unsupervised exploration (0 without it)"""
 
     # --- wandb ---
-    project_name: str = "CleanRLHF"
-    """the W&B project of the sweep"""
+    project_name: str | None = None
+    """the W&B project of the sweep (default CleanRLHF)"""
     entity: str | None = None
     """the W&B entity (team or user) of the sweep"""
     sweep_id: str | None = None
@@ -81,6 +82,18 @@ class Args:
     """write the best trial of --study-name in --storage as a run script (scripts/<ENV>.sh format)"""
     out: str | None = None
     """--export-best: the file to write, e.g. scripts/Hopper-v5.sh; None prints the script"""
+
+
+WANDB_PROJECT = "CleanRLHF"
+"""the W&B project a sweep goes to unless --project-name names another"""
+
+
+def backend(args: Args) -> str:
+    """--backend, or where it is not given: wandb when a W&B flag is (--project-name, --entity, --sweep-id: the seed
+    project's sweep commands give them and no backend), else optuna."""
+    if args.backend is not None:
+        return args.backend
+    return "wandb" if any(value is not None for value in (args.project_name, args.entity, args.sweep_id)) else "optuna"
 
 
 class SweepError(ValueError):
@@ -710,7 +723,11 @@ def run_wandb_trial(config: dict | None, script: Script, sweep: Sweep, base, pro
 def run_wandb(args: Args, script: Script, sweep: Sweep, base) -> str:
     import wandb
 
-    sweep_id = args.sweep_id or wandb.sweep(sweep=sweep.config, project=args.project_name, entity=args.entity)
+    project = args.project_name or WANDB_PROJECT
+    try:
+        sweep_id = args.sweep_id or wandb.sweep(sweep=sweep.config, project=project, entity=args.entity)
+    except wandb.errors.UsageError as error:  # no account here: `wandb login` first
+        raise SweepError(f"the W&B backend needs a W&B account ({error}); the optuna backend needs none") from None
     print(f"W&B sweep id: {sweep_id}")
     if args.create_only:
         return sweep_id
@@ -718,7 +735,7 @@ def run_wandb(args: Args, script: Script, sweep: Sweep, base) -> str:
     def trial() -> None:
         run_wandb_trial(None, script, sweep, base)
 
-    wandb.agent(sweep_id, function=trial, count=args.sweep_count, project=args.project_name, entity=args.entity)
+    wandb.agent(sweep_id, function=trial, count=args.sweep_count, project=project, entity=args.entity)
     return sweep_id
 
 
@@ -755,7 +772,7 @@ def run_script(script: Script, values: dict, header: list[str]) -> str:
 
 
 def export_best(args: Args) -> str:
-    if args.backend == "wandb":
+    if backend(args) == "wandb":
         return export_best_wandb(args)
     import optuna
 
@@ -791,7 +808,7 @@ def export_best_wandb(args: Args) -> str:
 
     if args.sweep_id is None:
         raise SweepError("--export-best --backend wandb needs --sweep-id (and --project-name, --entity)")
-    path = "/".join(part for part in (args.entity, args.project_name, args.sweep_id) if part)
+    path = "/".join(part for part in (args.entity, args.project_name or WANDB_PROJECT, args.sweep_id) if part)
     sweep = wandb.Api().sweep(path)
     best = sweep.best_run()
     if best is None or "cleanrlhf_args" not in best.config:
@@ -820,22 +837,37 @@ def write_script(text: str, out: str | None) -> str:
 # ----------------------------------------------------------------------------------------
 # main
 # ----------------------------------------------------------------------------------------
+def wandb_sweep_config(args: Args) -> dict:
+    """The configuration of the W&B sweep --sweep-id joins without --config-filename (as the seed project's command
+    joins one), read from W&B: it needs network and an account."""
+    import wandb
+
+    path = "/".join(part for part in (args.entity, args.project_name or WANDB_PROJECT, args.sweep_id) if part)
+    try:
+        return dict(wandb.Api().sweep(path).config)
+    except (wandb.errors.UsageError, wandb.errors.CommError, ValueError) as error:
+        reason = " ".join(str(error).split())
+        raise SweepError(f"--sweep-id {args.sweep_id}: its configuration is not readable from W&B ({reason})") from None
+
+
 def prepare(args: Args, script_flags: Sequence[str] = ()) -> tuple[Script, Sweep, Any]:
     """The script, the sweep and the base Args of every trial, all checked: what every backend starts from."""
-    if args.config_filename is None:
+    joining = args.config_filename is None and args.sweep_id is not None and backend(args) == "wandb"
+    if args.config_filename is None and not joining:
         raise SweepError("--config-filename is needed: a sweep in W&B's format, e.g. sweep_config/hopper.yaml")
     if args.sweep_count < 1 and not args.create_only:
         raise SweepError(f"--sweep-count must be >= 1, got {args.sweep_count}")
     if args.pruner == "threshold" and args.pruner_threshold is None:
         raise SweepError("--pruner threshold needs --pruner-threshold VALUE")
-    config = load_config(args.config_filename)
-    algorithm = algorithm_of(args.algorithm, config, args.config_filename)
+    source = f"W&B sweep {args.sweep_id}" if joining else args.config_filename
+    config = wandb_sweep_config(args) if joining else load_config(args.config_filename)
+    algorithm = algorithm_of(args.algorithm, config, source)
     script = load_script(algorithm)
-    name = args.study_name or str(config.get("name") or f"{Path(args.config_filename).stem}__{algorithm}")
-    sweep = parse_sweep(config, script, args.config_filename, name)
+    name = args.study_name or str(config.get("name") or f"{Path(source).stem}__{algorithm}")
+    sweep = parse_sweep(config, script, source, name)
     base = base_args(script, sweep, script_flags)
     check_sweep(sweep, base, script)
-    if args.backend == "optuna":
+    if backend(args) == "optuna":
         optuna_distributions(sweep)  # an untranslatable distribution fails here, before anything is created
         if sweep.method == "grid":
             grid_search_space(sweep)
@@ -848,7 +880,7 @@ def main(args: Args, script_flags: Sequence[str] = ()):
     if args.export_best:
         return export_best(args)
     script, sweep, base = prepare(args, script_flags)
-    if args.backend == "wandb":
+    if backend(args) == "wandb":
         return run_wandb(args, script, sweep, base)
     return run_optuna(args, script, sweep, base)
 

@@ -228,6 +228,7 @@ echo "apt-get $*" >> "$FAKE_LOG"
 for package in "$@"; do
   case "$package" in
     chromium) tools="chromium" ;;
+    xvfb) tools="xvfb-run" ;;
     slurmctld) tools="slurmctld slurmd sbatch munged" ;;
     *) tools="" ;;
   esac
@@ -267,7 +268,7 @@ def run_install_test_deps(env: dict, *flags: str, returncode: int = 0) -> subpro
 
 def test_install_test_deps_installs_what_is_missing_once_and_says_so(tmp_path):
     """On a machine with none of them (fake apt-get and python that log their calls and make the commands they
-    install), the first run installs Chromium, SLURM through .ci/install_slurm.sh and Poetry in its own venv; the
+    install), the first run installs Chromium, Xvfb, SLURM through .ci/install_slurm.sh and Poetry in its own venv; the
     second finds them all and installs nothing."""
     env, fake_bin, home = fake_machine(tmp_path)
     log = Path(env["FAKE_LOG"])
@@ -278,6 +279,7 @@ def test_install_test_deps_installs_what_is_missing_once_and_says_so(tmp_path):
     first = install()
     poetry_venv = home / ".local/share/cleanrlhf/poetry"
     assert "chromium: installed (apt-get install chromium)" in first
+    assert "xvfb: installed (apt-get install xvfb)" in first
     assert "slurm: installed (.ci/install_slurm.sh: slurmctld slurmd slurm-client munge)" in first
     assert f"poetry: installed in a venv of its own, {poetry_venv}; linked as {home}/.local/bin/poetry" in first
     assert first[-1] == "all test dependencies are in place: python -m pytest -q runs every test"
@@ -290,6 +292,7 @@ def test_install_test_deps_installs_what_is_missing_once_and_says_so(tmp_path):
     second = install()
     assert log.read_text().splitlines() == calls, "the second run installed something again"
     assert f"chromium: already installed ({fake_bin}/chromium)" in second
+    assert f"xvfb: already installed ({fake_bin}/xvfb-run)" in second
     assert "slurm: already installed" in second
     assert f"poetry: already installed ({home}/.local/bin/poetry)" in second
     assert second[-1] == first[-1]
@@ -302,7 +305,8 @@ def test_install_test_deps_warns_about_what_it_cannot_install(tmp_path):
     lines = run_install_test_deps(env).stdout.splitlines()
     assert "warning: chromium: could not install it (apt-get install chromium); tests/test_feedback_page.py will skip" in lines
     assert "warning: slurm: could not install it (.ci/install_slurm.sh); tests/test_slurm.py will skip" in lines
-    assert lines[-1] == "missing: chromium slurm poetry (their tests skip, saying why)"
+    assert "warning: xvfb: could not install it (apt-get install xvfb); tests/test_seed_commands.py's Xvfb runs will skip" in lines
+    assert lines[-1] == "missing: chromium xvfb slurm poetry (their tests skip, saying why)"
     assert not (home / ".local/bin/poetry").exists()
     run_install_test_deps(env, "--strict", returncode=1)
 

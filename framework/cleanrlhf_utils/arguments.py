@@ -107,11 +107,10 @@ def seed_spellings(argv: Sequence[str]) -> list[str]:
     too), and `--feedback-server-url host:port` is http://host:port. UsageError where the spelling is incomplete."""
     from pathlib import Path
 
-    argv, loading = list(argv), "--exploration-load" in argv
+    argv = list(argv)
     paths = {name: given_value(argv, [name]) for name in ("--path-to-model", "--path-to-replay-buffer")}
-    if loading or any(paths.values()):
-        missing = [name for name, path in paths.items() if path is None]
-        if not loading or missing:
+    if "--exploration-load" in argv:  # (evaluation.py's own --path-to-model is left alone)
+        if None in paths.values():
             raise UsageError(
                 "--exploration-load, --path-to-model and --path-to-replay-buffer come together (the seed's spelling); "
                 "today: --exploration-from models/<run>/<step>"
