@@ -7,6 +7,7 @@ import json
 import os
 import platform
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -236,6 +237,15 @@ NOT_THE_RUN = ("run_name", "progress_bar", "checkpoint_frequency", "resume")  # 
 
 # The label-noise defences a preference run can have, and the script each runs: a defence is a variant file beside PEBBLE.
 DEFENCE_SCRIPTS = {"none": "sac_rlhf.py", "rime": "sac_rlhf_rime.py", "smooth": "sac_rlhf_mistake_aware.py"}
+
+
+def preference_script(preference_flags: str) -> str:
+    """The script a benchmark's preference runs are: PEBBLE (sac_rlhf.py), or the variant that starts SAC afresh after
+    a session that changed the reward a lot (sac_rlhf_agent_reset.py) where the flags set its
+    --reset-agent-below-correlation."""
+    flags = [token.split("=", 1)[0] for token in shlex.split(preference_flags)]
+    return "sac_rlhf_agent_reset.py" if "--reset-agent-below-correlation" in flags else "sac_rlhf.py"
+
 
 # Settings that belong to one defence: with another a run computed nothing with them, so they do not tell two runs apart
 # (and a default that changed since, as --rime-warm-start-steps's did, leaves a finished run reusable).

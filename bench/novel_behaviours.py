@@ -28,6 +28,7 @@ from common import (
     add_resume_arguments,
     earlier_run,
     machine_info,
+    preference_script,
     print_table,
     read_summary,
     results_path,
@@ -101,13 +102,6 @@ def last_evaluations(workdir: Path, run_name: str, measures: tuple[str, ...] = (
         curve = eval_curve(workdir, run_name, f"eval/objective_{name}")
         result |= {f"objective_{name}_curve": curve, f"objective_{name}_last3": last_evaluations_mean(curve)}
     return result
-
-
-def preference_script(preference_flags: str) -> str:
-    """The script of the preference runs: PEBBLE (sac_rlhf.py), or the variant that starts SAC afresh after a session
-    that changed the reward a lot (sac_rlhf_agent_reset.py) where the flags set its --reset-agent-below-correlation."""
-    flags = [token.split("=", 1)[0] for token in shlex.split(preference_flags)]
-    return "sac_rlhf_agent_reset.py" if "--reset-agent-below-correlation" in flags else "sac_rlhf.py"
 
 
 def start_unless_finished(args, jobs: list, script: str, flags: list[str], run_name: str) -> Path:

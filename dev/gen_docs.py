@@ -4,8 +4,8 @@
     python dev/gen_docs.py --check   # exit 1, naming each stale file, when a page differs from what would be written
 
 What is generated (never edit these by hand; edit the source and re-run):
-- docs/reference/flags-<script>.md: one table per settings dataclass of each script, from the fields' docstrings (the
-  same docstrings tyro turns into --help). The sources are parsed with `ast`, so nothing is imported (no torch).
+- docs/reference/flags-<script>.md: one table per titled group of each script's flags (args_source.help_groups, the
+  groups of --help), from the fields' docstrings (the same docstrings tyro turns into --help). The sources are parsed with `ast`, so nothing is imported (no torch).
 - docs/benchmarks/feedback-efficiency.md and docs/benchmarks/measurements.md: a section for every result that
   bench/results/manifest.yaml lists, by question, and docs/benchmarks/img/<name>.png, the learning curves stored in
   the feedback-efficiency results.
@@ -38,7 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 from common import MANIFEST, Manifest, Result, defence_name, read_manifest, spread  # noqa: E402  (the benchmarks' own rules)
 
-from cleanrlhf_utils.args_source import Field, class_fields, find_class  # noqa: E402  (the scripts' Args, read with ast)
+from cleanrlhf_utils.args_source import Field, class_fields, find_class, help_groups  # noqa: E402  (the scripts' Args, read with ast)
 
 FINDINGS_LINK = "findings/index.md"
 """The findings, as the generated benchmark pages (in docs/benchmarks/) link to them."""
@@ -96,29 +96,23 @@ def default_text(field: Field) -> str:
 def flags_page(repo: Path, script: str, source: str, cache: dict) -> str:
     path = repo / source
     _, node = find_class(repo, path, "Args", cache)
-    fields = class_fields(repo, path, node, cache)
-    owners: dict[str, Path] = {}
-    for field in fields:
-        owners.setdefault(field.owner, field.owner_path)
     lines = [GENERATED.format(source=f"the docstrings of `{source}`'s Args"), f"# Flags of `{source}`\n"]
     intro = ast.get_docstring(node)
     if intro:
         lines.append(" ".join(intro.split()) + "\n")
     lines.append(
-        f"Every flag of `python {source}`, in the order `--help` lists them. Booleans take `--name` or `--no-name`; "
-        "a list takes its values after the flag, separated by spaces.\n"
+        f"Every flag of `python {source}`, in the groups and the order `--help` lists them. Booleans take `--name` or "
+        "`--no-name`; a list takes its values after the flag, separated by spaces.\n"
     )
-    for owner, owner_path in owners.items():
-        own = [field for field in fields if field.owner == owner]
-        if owner != "Args" or len(owners) > 1:
-            lines.append(f"## {owner}\n")
-            _, owner_node = find_class(repo, owner_path, owner, cache)
-            doc = ast.get_docstring(owner_node)
-            if doc and owner != "Args":
-                lines.append(" ".join(doc.split()) + f" (`{owner_path.relative_to(repo)}`)\n")
+    groups = help_groups(repo, path, "Args", cache)
+    for title, description, fields in groups:
+        if len(groups) > 1:
+            lines.append(f"## {title}\n")
+            if description:
+                lines.append(markdown_text(description) + "\n")
         lines.append("| Flag | Type | Default | Meaning |")
         lines.append("|---|---|---|---|")
-        for field in own:
+        for field in fields:
             annotation = markdown_text(f"`{field.annotation}`")
             lines.append(f"| {flag_names(field)} | {annotation} | {default_text(field)} | {markdown_text(field.doc)} |")
         lines.append("")
@@ -610,7 +604,7 @@ def label_sessions(result: dict) -> str:
     --preference-flags but labels asked over different stretches of the run read apart. The counts come from
     sac_rlhf.py's own `feedback_schedule` on its own parse of the flags (an exponential schedule's last sessions can
     round to no label), and a session is due every --feedback-frequency steps from --explore-steps, while the run lasts."""
-    from common import run_settings, script_module  # noqa: PLC0415  (imports sac_rlhf.py and torch: only where a table needs it)
+    from common import preference_script, run_settings, script_module  # noqa: PLC0415  (imports torch: only where needed)
 
     words = shlex.split(result.get("command", ""))
     bench = {
@@ -620,7 +614,8 @@ def label_sessions(result: dict) -> str:
     if None in bench.values():
         return "–"
     labels, per_session, first, every, steps = (int(value) for value in bench.values())
-    run = run_settings("sac_rlhf.py", shlex.split(command_value(words, "--preference-flags") or ""))[0]
+    flags = command_value(words, "--preference-flags") or ""
+    run = run_settings(preference_script(flags), shlex.split(flags))[0]
     schedule = script_module("sac_rlhf.py").feedback_schedule
     counts = schedule(labels, per_session, run["teacher_feedback_schedule"], run["teacher_feedback_exponential_decay"])
     counts = counts[: (steps - 1 - first) // every + 1]  # the sessions due before the run ends
