@@ -112,6 +112,18 @@ def site_packages_of_this_interpreter() -> list[str]:
     return list(dict.fromkeys([paths["purelib"], paths["platlib"]]))
 
 
+def copy_of_the_tracked_files(folder: Path) -> Path:
+    """The files git tracks in this checkout, copied to `folder`: what a clean clone builds from. Never the
+    checkout's .venv (gigabytes in the README's install), runs or caches."""
+    listed = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True, timeout=60).stdout
+    for name in filter(None, listed.decode().split("\0")):
+        source, target = REPO / name, folder / name
+        if source.is_file():  # a file deleted in the working tree but not yet in git is skipped
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, target)
+    return folder
+
+
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory) -> Path:
     """A fresh venv with the project installed (not editable); its dependencies, pip and setuptools come from this
@@ -127,8 +139,7 @@ def installed(tmp_path_factory) -> Path:
         [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], capture_output=True, text=True, check=True
     ).stdout.strip()
     (Path(venv_site) / "this_interpreters_packages.pth").write_text("\n".join(site_packages_of_this_interpreter()) + "\n")
-    build = root / "build"
-    shutil.copytree(REPO, build, ignore=shutil.ignore_patterns(".git", "runs", "models", "videos", "bench", "*.egg-info", "__pycache__"))
+    build = copy_of_the_tracked_files(root / "build")
     result = subprocess.run(
         [python, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index", "-q", str(build)],
         capture_output=True,
