@@ -986,6 +986,16 @@ class LoopState:
 REWOUND_PARTS = ("episodes", "obs_normalizer", "return_normalizer", "intrinsic_rms")
 
 
+def log_episodes(writer, finished: list, rollout_start: int, num_envs: int, last_return: float) -> float:
+    """The return and length of each episode a rollout finished (collect_rollout's (step, env, return, length)), at the
+    step it ended; returns the last one's return (`last_return` where none ended)."""
+    for t, _, episode_return, episode_length in finished:
+        writer.add_scalar("charts/episodic_return", episode_return, rollout_start + (t + 1) * num_envs)
+        writer.add_scalar("charts/episodic_length", episode_length, rollout_start + (t + 1) * num_envs)
+        last_return = episode_return
+    return last_return
+
+
 def reset_after_session(agent: Agent, optimizer, return_rms: ReturnNormalizer, loop: LoopState, labels: int, args):
     """When the first labels end exploration, the critic and the return normaliser start afresh (they were fitted to
     the intrinsic reward)."""
@@ -1038,9 +1048,10 @@ def main(args: Args, on_evaluation=None, reward_training: Callable | None = None
         schedule = feedback_schedule(*budget, args.teacher_feedback_schedule, args.teacher_feedback_exponential_decay)
         batch_size = args.num_envs * args.num_steps
         num_iterations = args.total_timesteps // batch_size
-        # Exploration ends at the first iteration boundary at or after --total-explore-steps.
-        explore_end = math.ceil(args.total_explore_steps / batch_size) * batch_size
-        explore_end = explore_end if args.unsupervised_exploration else 0
+        # Exploration ends at the first iteration boundary at or after --total-explore-steps (0: no exploration).
+        explore_end = batch_size * math.ceil(args.total_explore_steps / batch_size) * args.unsupervised_exploration
+        sessions = (explore_end + 1, args.teacher_feedback_frequency, schedule)  # each after the rollout that passes it
+        run.say_feedback_plan(*sessions, end=num_iterations * batch_size + 1, step=batch_size)
         session = FeedbackSession(teacher, label_log, args)  # the open session's pairs and answers
         parts = {"agent": agent, "optimizer": optimizer, "reward_model": reward_model, "teacher": teacher}
         parts |= {"reward_optimizer": reward_optimizer, "preference_buffer": prefs, "episodes": episodes}
@@ -1073,10 +1084,7 @@ def main(args: Args, on_evaluation=None, reward_training: Callable | None = None
                 teacher.training_progress(loop.global_step, loop.sessions_done, len(schedule))  # the page's news
                 loop.iteration += 1
                 step = loop.global_step
-                for t, _, episode_return, episode_length in finished:
-                    writer.add_scalar("charts/episodic_return", episode_return, rollout_start + (t + 1) * args.num_envs)
-                    writer.add_scalar("charts/episodic_length", episode_length, rollout_start + (t + 1) * args.num_envs)
-                    last_return = episode_return
+                last_return = log_episodes(writer, finished, rollout_start, args.num_envs, last_return)
                 add_rollout_to_buffer(rb, rollout)
                 obs_rms.update(rollout.raw_obs[rollout.valid])  # for the next rollout: this one keeps its statistics
 
@@ -1127,8 +1135,8 @@ def main(args: Args, on_evaluation=None, reward_training: Callable | None = None
                 if (crossed(args.checkpoint_frequency, step - batch_size, step) or people) and before_end:
                     save("latest")
 
-        if session.settle(teacher, prefs, label_log, loop, heldout_fraction, rng):  # people changed labels after the last
-            reward_training(reward_model, reward_optimizer, prefs, rb, args, rng, device)  # update: one more fit learns them
+        if session.settle(teacher, prefs, label_log, loop, heldout_fraction, rng):  # people's later changes
+            reward_training(reward_model, reward_optimizer, prefs, rb, args, rng, device)  # one more fit learns them
             save("latest")
         if not run.interrupted:
             run.evaluate(NormalizedPolicy(agent, obs_rms), loop, device, teacher)

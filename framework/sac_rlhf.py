@@ -922,6 +922,7 @@ def main(args: Args, on_evaluation=None, reward_training: Callable | None = None
         budget = (args.teacher_feedback_total_queries, args.teacher_feedback_num_queries_per_session)
         schedule = feedback_schedule(*budget, args.teacher_feedback_schedule, args.teacher_feedback_exponential_decay)
         first_session = args.total_explore_steps if args.unsupervised_exploration else args.learning_starts
+        run.say_feedback_plan(first_session, args.teacher_feedback_frequency, schedule, args.total_timesteps)
         session = FeedbackSession(teacher, label_log, args)  # the open session's pairs and answers
         parts = {"agent": agent, "reward_model": reward_model, "reward_optimizer": reward_optimizer}
         parts |= {"preference_buffer": prefs, "intrinsic_rms": intrinsic_rms, "teacher": teacher, "session": session}
@@ -1008,8 +1009,8 @@ def main(args: Args, on_evaluation=None, reward_training: Callable | None = None
                 if args.checkpoint_frequency and loop.global_step % args.checkpoint_frequency == 0 and before_end:
                     checkpoint("latest")
 
-        if session.settle(teacher, prefs, label_log, loop, heldout_fraction, rng):  # people changed labels after the last
-            reward_training(reward_model, reward_optimizer, prefs, rb, args, rng, device)  # update: one more fit learns them
+        if session.settle(teacher, prefs, label_log, loop, heldout_fraction, rng):  # people's later changes
+            reward_training(reward_model, reward_optimizer, prefs, rb, args, rng, device)  # one more fit learns them
             checkpoint("latest")
         if not run.interrupted:
             run.evaluate(agent.actor, loop, device, teacher)

@@ -73,6 +73,11 @@ def test_the_writability_check_names_the_folder(tmp_path, monkeypatch):
             "error: --env-id Hoper-v5 is not a registered Gymnasium environment (similar ids that run here: Hopper-v5, Hopper-v4)",
         ),
         ("Hopper-v3", "error: --env-id Hopper-v3 does not run here: The mujoco v2 and v3 based environments have been moved"),
+        (
+            "NotAnEnv-v0",
+            "error: --env-id NotAnEnv-v0 is not a registered Gymnasium environment; python framework/list_envs.py --only "
+            "<name> checks which ids run here (docs/reference/working-envs.md lists them)",
+        ),
     ],
 )
 def test_an_env_id_that_cannot_run_here_is_one_line_and_suggests_only_ids_that_do(tmp_path, env_id, expected):
@@ -105,11 +110,35 @@ def test_a_damaged_checkpoint_is_one_line_naming_it_and_the_runs_other_checkpoin
     assert str(error.value).startswith("models/r/latest/checkpoint.pt cannot be read (RuntimeError: PytorchStreamReader failed")
     assert str(error.value).endswith("another checkpoint of the run may be whole: --resume models/r/400")
     torch.save(torch.load("models/r/400/checkpoint.pt", weights_only=False), "models/r/latest/checkpoint.pt")
+    written = {path: path.read_bytes() for path in Path("runs/r").rglob("*") if path.is_file()}
     cut_short(Path("models/r/latest/replay_buffer.npz"))
     with pytest.raises(ConfigError, match=r"^models/r/latest/replay_buffer.npz cannot be read \(BadZipFile: "):
         sac_rlhf.main(small_args("r", resume="models/r/latest", total_timesteps=600))
+    with pytest.raises(ConfigError, match=r"the saved replay buffer holds \d+ transitions, more than this run.s capacity 300"):
+        sac_rlhf.main(small_args("r", resume="models/r/400", total_timesteps=600, buffer_size=300))
+    # refused before anything is written: args.json, the event files and the label log as they were
+    assert {path: path.read_bytes() for path in Path("runs/r").rglob("*") if path.is_file()} == written
     summary = sac_rlhf.main(small_args("r", resume="models/r/400", total_timesteps=600))  # the one offered is whole
     assert summary["global_step"] == 600
+
+
+def test_a_run_says_at_its_start_which_feedback_sessions_it_will_hold(chdir_tmp, capsys):
+    """A run shorter than its exploration says so before it trains, instead of ending with 0 labels unexplained; one
+    that holds its sessions says when and how many labels; one cut short says what comes after its end."""
+    summary = sac_rlhf.main(small_args("short", total_timesteps=300))  # exploration until 400
+    out = capsys.readouterr().out
+    assert "feedback: none: the run ends before its first feedback session at step 400, so it asks no label" in out
+    assert summary["labels_obtained"] == 0
+    sac_rlhf.main(small_args("whole"))  # sessions at 400, 700, 1000 of 1200 steps, 30 labels
+    assert "feedback: 3 sessions, 30 labels, at steps 400 to 1000\n" in capsys.readouterr().out
+    run = sac_rlhf.Run(small_args("cut"), "sac_rlhf")
+    run.say_feedback_plan(400, 300, [10, 10, 10], 800)
+    assert (
+        capsys.readouterr().out
+        == "feedback: 2 sessions, 20 labels, at steps 400 to 700; the last 1 sessions (10 labels) come after its end\n"
+    )
+    run.say_feedback_plan(1, 1000, [10, 10], 2049, step=1024)  # PrefPPO: after the rollouts that pass the steps
+    assert capsys.readouterr().out == "feedback: 2 sessions, 20 labels, at steps 1024 to 2048\n"
 
 
 def test_a_finished_run_says_what_it_reached_in_one_closing_line(chdir_tmp, capsys):

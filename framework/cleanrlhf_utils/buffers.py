@@ -11,6 +11,26 @@ import numpy as np
 from .errors import ConfigError, unreadable
 
 
+def check_capacity(transitions: int, capacity: int) -> None:
+    """A saved replay buffer of `transitions` fits a run whose buffer holds `capacity`, or one line says why not."""
+    if transitions > capacity:
+        raise ConfigError(
+            f"the saved replay buffer holds {transitions} transitions, more than this run's capacity {capacity} "
+            "(--buffer-size / --total-timesteps)"
+        )
+
+
+def check_saved_buffer(path: str | Path, capacity: int) -> None:
+    """Before a run writes anything: the replay buffer it is to load (--resume, --exploration-from) is readable and
+    fits its capacity; one line naming the file or the sizes where not."""
+    try:
+        with np.load(path) as data:
+            transitions = len(data["obs"])
+    except (EOFError, OSError, ValueError, KeyError, zipfile.BadZipFile) as error:
+        raise unreadable(Path(path), error) from None
+    check_capacity(transitions, capacity)
+
+
 class ReplayBuffer:
     """Circular buffer of transitions. `episode_ids` lets segments stay inside one episode."""
 
@@ -137,10 +157,7 @@ class ReplayBuffer:
 
     def load_state_dict(self, state) -> None:
         n, pos, full = len(state["obs"]), int(state["pos"]), bool(state["full"])
-        if n > self.capacity:
-            raise ConfigError(
-                f"the saved replay buffer holds {n} transitions, more than this run's capacity {self.capacity} (--buffer-size / --total-timesteps)"
-            )
+        check_capacity(n, self.capacity)
         same_layout = int(state["capacity"]) == self.capacity
         for name in self.FIELDS:
             values = np.asarray(state[name])

@@ -37,6 +37,10 @@ def placeholder(spec) -> bool:
     return callable(spec.entry_point) and getattr(spec.entry_point, "__name__", "").startswith("_raise")
 
 
+LIST_ENVS = "python framework/list_envs.py --only <name>"
+"""the command that tries environments on this machine, named where an --env-id does not run"""
+
+
 def check_env_id(env_id: str) -> None:
     """One line for an id this machine cannot run: unregistered (with the close ids that do run), or registered only
     as a pointer elsewhere (with its reason)."""
@@ -57,6 +61,7 @@ def check_env_id(env_id: str) -> None:
 
     close = difflib.get_close_matches(env_id, runnable, n=5, cutoff=0.6)
     hint = f" (similar ids that run here: {', '.join(close)})" if close else ""
+    hint += f"; {LIST_ENVS} checks which ids run here (docs/reference/working-envs.md lists them)"
     if env_id not in gym.registry:
         raise ConfigError(f"--env-id {env_id} is not a registered Gymnasium environment{hint}")
     try:

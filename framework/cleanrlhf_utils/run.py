@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import ClassVar
 
+from .buffers import check_saved_buffer
 from .checkpoints import (
     checkpoint_file,
     earlier_wall_seconds,
@@ -104,6 +105,10 @@ class Run:
         check_run_name(args.run_name)
         check_writable(("runs", "models", "videos"))
         self.resumed = load_checkpoint(Path(args.resume) / "checkpoint.pt") if args.resume else None
+        exploration = getattr(args, "exploration_from", None)
+        if args.resume or exploration:  # a replay buffer that cannot be loaded is refused before anything is written
+            folder = Path(args.resume) if args.resume else checkpoint_file(exploration, "--exploration-from").parent
+            check_saved_buffer(folder / "replay_buffer.npz", min(args.buffer_size, args.total_timesteps))
         self.name = args.run_name or (self.resumed["run_name"] if self.resumed else default_run_name(args))
         self.dir, self.model_dir, self.video_dir = (Path(folder) / self.name for folder in ("runs", "models", "videos"))
         self.earlier_wall = earlier_wall_seconds(self.resumed)  # training seconds before the checkpoint resumed from
@@ -118,6 +123,29 @@ class Run:
         announce_run(self.name, self.args)
         cleanup.callback(stop_logging, self.args, self.writer)
         return self.writer
+
+    def say_feedback_plan(self, first: int, every: int, schedule: list[int], end: int, step: int = 1) -> None:
+        """One line at the start saying what the run will ask: its feedback sessions, the first when step `first` is
+        reached and one every `every` steps after it (each at the first multiple of `step` from there: an on-policy
+        script's sessions come after a rollout), those before step `end` happening, with `schedule`'s labels. A run
+        that ends before its first session says that it asks no label and learns no reward."""
+        steps = []  # one session a step (an iteration) at most: one due earlier waits for the next
+        for i in range(len(schedule)):
+            steps.append(max(-(-(first + i * every) // step) * step, steps[-1] + step if steps else 0))
+        held = [count for at, count in zip(steps, schedule, strict=True) if at < end]
+        if not schedule:
+            print("feedback: no labels (--teacher-feedback-total-queries 0): the run learns no reward")
+        elif not held:
+            print(
+                f"feedback: none: the run ends before its first feedback session at step {steps[0]}, so it asks no "
+                f"label and learns no reward; give --total-timesteps above {steps[0]} or a shorter --total-explore-steps"
+            )
+        else:
+            left = f"; the last {len(schedule) - len(held)} sessions ({sum(schedule) - sum(held)} labels) come after its end"
+            print(
+                f"feedback: {len(held)} sessions, {sum(held)} labels, at steps {steps[0]} to {steps[len(held) - 1]}"
+                + (left if len(held) < len(schedule) else "")
+            )
 
     def evaluate(self, policy, loop, device, teacher=None) -> None:
         """One evaluation (cleanrlhf_utils.evaluate) into loop.last_eval_return: logged, passed to the sweep's
