@@ -261,3 +261,56 @@ def test_async_a_session_people_left_gives_way_and_its_late_answers_still_count(
     assert summary["labels_obtained"] == 8 and summary["feedback_sessions"] == 2
     checkpoint = torch.load("models/left/latest/checkpoint.pt", weights_only=False)
     assert_run_keeps_the_servers_answers(Path("runs/left"), checkpoint, person)
+
+
+def test_a_correction_after_the_last_update_is_learned_by_one_more_fit_or_told_it_is_not(chdir_tmp, capsys):
+    """Session 2 is the run's last. Right after its reward update the person edits one of its answers: the server says
+    the run learns it, and it does, by one more fit at the run's end, in the final checkpoint. Once the run has ended
+    they edit another: the server says this run will not learn it, and it does not. Never both, never neither."""
+    from test_feedback_hardening import Server
+
+    (chdir_tmp / "server").mkdir()
+    server = Server(chdir_tmp / "server", "--token", "corrections-token")  # outlives the run, as a server started by hand does
+    base, changed, corrected = server.base, threading.Event(), threading.Event()
+    seen, replies = [], {}
+
+    def reward_training(reward_model, optimizer, prefs, *args, **kwargs):
+        seen.append(prefs.labels.copy())
+        stats = sac_rlhf.train_reward_model(reward_model, optimizer, prefs, *args, **kwargs)
+        if len(seen) == 2:  # the last session's update is done: the person changes their mind now
+            changed.set()
+            assert corrected.wait(timeout=60), "the person did not change their answer"
+        return stats
+
+    def script(person: Person):
+        for session in (1, 2):
+            for _ in range(4):
+                query = person.wait_for_pair(session)
+                person.label(query["query_id"], "left")
+                replies.setdefault(session, []).append(query["query_id"])
+        assert changed.wait(timeout=300)
+        replies["during"] = person.label(replies[2][0], "right")  # after the last update, while the run trains on
+        corrected.set()
+
+    person = Person(base, script)
+    args = human_args(
+        "last", base, feedback_server_autostart=False, feedback_server_token="corrections-token",
+        teacher_feedback_total_queries=8, teacher_feedback_num_queries_per_session=4,
+    )  # fmt: skip
+    try:
+        summary = run_with(person, sac_rlhf.main, args, reward_training)
+        replies["after"] = person.label(replies[2][1], "right")  # the run has ended
+    finally:
+        server.stop()
+    assert summary["labels_obtained"] == 8
+    assert replies["during"]["learned"] == "yes" and replies["after"]["learned"] == "no"
+    left, right = CHOICE_LABELS["left"], CHOICE_LABELS["right"]
+    assert len(seen) == 3  # two sessions, and one more fit for the correction
+    np.testing.assert_array_equal(seen[1], [left] * 8)
+    np.testing.assert_array_equal(seen[2], [left] * 4 + [right] + [left] * 3)  # the correction, learned
+    checkpoint = torch.load("models/last/latest/checkpoint.pt", weights_only=False)
+    np.testing.assert_array_equal(checkpoint["preference_buffer"]["labels"], seen[2])  # the later edit: not learned
+    _, logged = read_label_file("runs/last/labels.sqlite")
+    assert sorted(logged) == sorted(seen[2])
+    out = capsys.readouterr().out
+    assert "labels: 1 changed after the last reward update; the reward model learns them in one more fit" in out, out

@@ -9,6 +9,7 @@ import contextlib
 import http.server
 import json
 import os
+import re
 import signal
 import socket
 import sqlite3
@@ -668,22 +669,29 @@ time.sleep(600)
 """
 
 
-def test_a_trainer_killed_with_sigkill_takes_its_autostarted_server_with_it(tmp_path):
-    url = f"http://127.0.0.1:{free_port()}"
-    trainer = subprocess.Popen([sys.executable, "-c", TRAINER, url, str(tmp_path)], stdout=subprocess.PIPE, text=True)
-    try:
-        server_pid = int(trainer.stdout.readline())
-        assert requests.get(url + "/api/config", headers={"X-Feedback-Token": "trainer-token"}, timeout=5).status_code == 200
-        trainer.kill()  # SIGKILL: the trainer cannot stop its server itself
-        trainer.wait(timeout=10)
-        started = time.monotonic()
-        while Path(f"/proc/{server_pid}").exists() and Path(f"/proc/{server_pid}/stat").read_text().split()[2] != "Z":
-            assert time.monotonic() - started < 10, "the server outlived its trainer"
-            time.sleep(0.1)
-        with pytest.raises(requests.ConnectionError):
-            requests.get(url + "/api/config", timeout=2)
-    finally:
-        trainer.kill()
-        with contextlib.suppress(ProcessLookupError, ValueError, NameError):
-            os.kill(server_pid, signal.SIGKILL)
-    assert "Feedback server stopped" in (tmp_path / "server.log").read_text()  # it stopped as on SIGTERM
+def test_a_trainer_killed_with_sigkill_takes_its_autostarted_server_with_it_as_fast_as_the_docs_say(tmp_path):
+    """The docs' figure ("stops itself within X s if the run is killed") holds for the slowest of three kills."""
+    claim = re.search(r"stops itself within ([\d.]+) s if the run is killed", (ROOT / "docs" / "human-feedback.md").read_text())
+    assert claim, "docs/human-feedback.md says how fast an autostarted server follows a killed trainer"
+    seconds = []
+    for attempt in range(3):
+        url, folder = f"http://127.0.0.1:{free_port()}", tmp_path / str(attempt)
+        trainer = subprocess.Popen([sys.executable, "-c", TRAINER, url, str(folder)], stdout=subprocess.PIPE, text=True)
+        try:
+            server_pid = int(trainer.stdout.readline())
+            assert requests.get(url + "/api/config", headers={"X-Feedback-Token": "trainer-token"}, timeout=5).status_code == 200
+            trainer.kill()  # SIGKILL: the trainer cannot stop its server itself
+            trainer.wait(timeout=10)
+            started = time.monotonic()
+            while Path(f"/proc/{server_pid}").exists() and Path(f"/proc/{server_pid}/stat").read_text().split()[2] != "Z":
+                assert time.monotonic() - started < 10, "the server outlived its trainer"
+                time.sleep(0.005)
+            seconds.append(time.monotonic() - started)
+            with pytest.raises(requests.ConnectionError):
+                requests.get(url + "/api/config", timeout=2)
+        finally:
+            trainer.kill()
+            with contextlib.suppress(ProcessLookupError, ValueError, NameError):
+                os.kill(server_pid, signal.SIGKILL)
+        assert "Feedback server stopped" in (folder / "server.log").read_text()  # it stopped as on SIGTERM
+    assert max(seconds) <= float(claim[1]), seconds
