@@ -83,6 +83,8 @@ SLOW = {
     "test_feedback_corrections.py": "human-mode runs whose answers change",
     "test_feedback_outage.py": "human-mode runs whose server is killed",
     "test_feedback_trainer_news.py::test_human_run_sends_its_question_renders_clips_at_real_time_and_page_size_and_keeps_its_server_data": "a human-mode run",
+    "test_feedback_hostile.py::test_idle_and_trickling_sockets_keep_nobody_waiting": "1110 sockets trickling for 25 s",
+    "test_feedback_trainer_guard.py::test_a_resumed_run_tells_the_page_its_step_and_prints_a_login_link_only_when_asked": "three human-mode runs and Chromium",
     "test_feedback_secrets.py::test_checkpoints_and_sweep_trials_keep_no_token": "a run and a sweep trial",
     "test_reward_gap.py::test_a_frozen_reward_run_is_sac_on_the_loaded_model_which_it_never_changes": "runs",
     "test_reward_gap.py::test_bad_frozen_reward_sources_are_refused_in_one_line": "runs",
