@@ -390,9 +390,10 @@ def chunked_until_answered(port: int, path: str, headers: dict[str, str], total:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 * 1024)
         sock.sendall(head)
         answer = b""
+        answered = select.poll()  # not select(): descriptors past 1024 are fine
+        answered.register(sock, select.POLLIN)
         while sent < total:
-            readable, _, _ = select.select([sock], [], [], 0.01)
-            if readable:
+            if answered.poll(10):
                 break
             try:
                 sock.sendall(chunk)
