@@ -14,9 +14,12 @@ DB_TIMEOUT_SECONDS for it anyway gets 503 with Retry-After, never a 500.  The ap
 SIGTERM or Ctrl-C lets requests in progress finish (up to 5 s), then exits 0.
 
 Requests (access.py): every one must name a Host this server is reached by and carry the token (the X-Feedback-Token
-header) or a browser's session cookie, which the login route makes from a one-time login code or the token; writes
-must be application/json (multipart/form-data for the uploads, a form for the login), and a browser's cross-origin
-write is refused (check_write_request).  Ids above 2^63-1 are a 400.
+header) or a browser's session cookie, which the login route makes from a one-time login code (an invitation) or the
+token; the routes marked "trainer" below refuse a browser an invitation let in (403); writes must be application/json
+(multipart/form-data for the uploads, a form for the login), and a browser's cross-origin write is refused
+(check_write_request).  Every field is checked before it is stored: numbers bounded before they are read (ids above
+2^63-1 are a 400), text valid UTF-8 without control characters.  A browser's leases and answers are its session's,
+whatever name it gives (principal()).
 
 Routes, in four blueprints (errors are 4xx with ``{"error": "..."}`` and change nothing):
   login  GET  /login?code=                       a one-time login code -> the session cookie; without one, the login page
@@ -24,30 +27,37 @@ Routes, in four blueprints (errors are 4xx with ``{"error": "..."}`` and change 
   page   GET  /                                  the annotation page (``#rewards``: reward-model check view); the login
                                                  page (401) for a browser that is not logged in
   clips  GET  /clips/<run_id>/<name>.mp4         a stored clip (Range requests supported)
-  api    GET  /api/config                        allowed choices, editing flag, playback speed, lease seconds
-         POST /api/login-codes                   {} -> 201 {url: "/login?code=...", expires_seconds}
+  api    GET  /api/proof?nonce=                  {proof}: HMAC of the nonce with the token, a trainer's check (open to all)
+         GET  /api/config                        allowed choices, editing flag, playback speed, lease seconds, role
+         POST /api/login-codes                   trainer: {} -> 201 {invitation_id, url: "/login?code=...", expires_seconds,
+                                                 role: "trainer"}, the trainer's own login link
+         POST /api/invitations                   trainer: {name?} -> 201 the same for an annotator
+         GET  /api/invitations                   trainer: every invitation, its role, name and state
+         POST /api/invitations/<id>/revoke       trainer: {} -> its link dies, its browser is logged out
          GET  /api/runs                          all runs, without their meta
-         GET  /api/runs/<run_id>                 one run, with its meta
-         POST /api/runs                          {name, env_id?, meta? (<= 64 KiB)} -> 201 {run_id} (200 if the name exists)
-         POST /api/runs/<run_id>/queries         multipart: 'queries' JSON list + clip files -> 201 {query_ids}
-         GET  /api/runs/<run_id>/answers?after=  {answers, cursor} (see below)
-         GET  /api/runs/<run_id>/status          {queries, labelled, pending, choices}
-         POST /api/runs/<run_id>/progress        the trainer's news {step, phase, total_steps?, sessions_done?, sessions_total?,
+         GET  /api/runs/<run_id>                 trainer: one run, with its meta
+         POST /api/runs                          trainer: {name, env_id?, meta? (<= 64 KiB)} -> 201 {run_id} (200 if it exists)
+         POST /api/runs/<run_id>/queries         trainer: multipart: 'queries' JSON list + clip files -> 201 {query_ids}
+         GET  /api/runs/<run_id>/answers?after=  trainer: {answers, cursor} (see below)
+         GET  /api/runs/<run_id>/status          trainer: {queries, labelled, pending, choices}
+         POST /api/runs/<run_id>/progress        trainer: its news {step, phase, total_steps?, sessions_done?, sessions_total?,
                                                  next_session_step?, seconds_to_next_session?, steps_per_second?,
                                                  session?, session_size?, agreement?}; session_size declares the session's
-                                                 pairs, agreement the reward model's with each annotator ({name: 0..1})
+                                                 pairs, agreement the reward model's with each annotator ({name: 0..1});
+                                                 -> {progress, label_seq}, the last label write before it
          GET  /api/runs/<run_id>/progress        the latest report, with age_seconds and stale (older than 120 s), and the
                                                  run's state: trainer_seen_seconds, pending, total_labelled, total_skipped
-         POST /api/runs/<run_id>/evaluations     multipart: 'evaluations' JSON list + clip files -> 201
+         POST /api/runs/<run_id>/evaluations     trainer: multipart: 'evaluations' JSON list + clip files -> 201
          GET  /api/runs/<run_id>/evaluations     evaluation clips sorted by predicted_return, highest first (?latest=1:
                                                  only the newest)
          GET  /api/next?annotator=&run_id=&exclude=   lease the oldest free query (with its run's instructions and
                                                  its session's progress), or {waiting: true, training?: [reports]};
-                                                 429 when the annotator holds MAX_LEASES_PER_ANNOTATOR pairs already
+                                                 429 when the asker holds MAX_LEASES_PER_ANNOTATOR pairs already
          POST /api/queries/<query_id>/label      {choice, annotator} -> 201 new / 200 same or edited / 409 (labelled or
-                                                 leased by someone else)
-         POST /api/queries/<query_id>/undo       {annotator} -> the query is pending again, with the undone choice (403
-                                                 with --no-editing)
+                                                 leased by someone else, or a browser's pair not leased to it)
+         POST /api/queries/<query_id>/undo       {annotator, release?} -> the asker's answer undone, the query pending again
+                                                 and leased to the asker within the cap after giving up `release` (429
+                                                 past it; 403 with --no-editing)
 
 Cursor semantics of ``GET /api/runs/<run_id>/answers?after=<seq>``: every label write (create,
 edit, undo) takes the next value of one global, strictly increasing sequence number ``seq``.
