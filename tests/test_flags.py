@@ -28,9 +28,7 @@ SOURCES = [
     REPO / "README.md",
     *sorted((REPO / "examples").rglob("*.py")),
 ]
-JUSTIFIED: dict[str, str] = {
-    "--feedback-login-link": "a resumed human-mode run keeps its browsers logged in and prints no link; this asks one",
-}
+JUSTIFIED: dict[str, str] = {}
 """flag -> why it stays though nothing above sets or describes it"""
 
 
