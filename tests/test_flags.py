@@ -4,6 +4,7 @@ groups, each flag keeping its name); every parameter a sweep config sets and eve
 its script; and each flag of the two algorithm scripts is set by a run script, a preset, a sweep or a SLURM file, or
 described on a hand-written docs page, or justified in JUSTIFIED."""
 
+import functools
 import importlib
 import re
 import shlex
@@ -32,11 +33,12 @@ JUSTIFIED: dict[str, str] = {}
 """flag -> why it stays though nothing above sets or describes it"""
 
 
-def parser_flags(script: str) -> set[str]:
+@functools.cache
+def parser_flags(script: str) -> frozenset[str]:
     """Every option string the script's parser takes (--x, --no-x, aliases), as the command line parses it."""
     args_class = importlib.import_module(script).Args
     parser = tyro.extras.get_parser(grouped_view(args_class) or args_class)
-    return set(parser._option_string_actions)
+    return frozenset(parser._option_string_actions)
 
 
 def invocations(text: str) -> list[tuple[str, list[str]]]:
@@ -63,11 +65,9 @@ def test_the_scanner_finds_commands_and_their_flags():
 
 @pytest.mark.parametrize("source", SOURCES, ids=lambda path: str(path.relative_to(REPO)))
 def test_every_flag_a_script_is_given_where_it_is_shown_is_one_it_takes(source):
-    known = {}
     for script, tokens in invocations(source.read_text()):
-        known.setdefault(script, parser_flags(script))
         flags = [token.split("=", 1)[0] for token in tokens if token.startswith("-") and not token.startswith("-<")]
-        unknown = [flag for flag in flags if flag not in known[script] and not re.fullmatch(r"-\d.*", flag)]
+        unknown = [flag for flag in flags if flag not in parser_flags(script) and not re.fullmatch(r"-\d.*", flag)]
         assert not unknown, f"{source.relative_to(REPO)}: {script}.py does not take {unknown}"
 
 
@@ -95,10 +95,11 @@ def test_every_flag_of_an_algorithm_script_has_a_use_or_a_reason(script):
         path.read_text() for path in sorted((REPO / "sweep_config").glob("*.yaml"))
     )
     preset_fields = {field for preset in presets.PRESETS.values() for field in preset.values}
+    words = set(re.findall(r"--[a-z0-9][a-z0-9-]*|\b[a-z][a-z0-9_]*\b", used))  # flags and field names
     unused = []
     for field in dataclasses.fields(importlib.import_module(script).Args):
         flag = "--" + field.name.replace("_", "-")
-        named = re.search(rf"(--(no-)?{field.name.replace('_', '-')}|\b{field.name}\b)(?![\w-])", used)
+        named = {flag, "--no-" + flag[2:], field.name} & words
         if not named and field.name not in preset_fields and flag not in JUSTIFIED:
             unused.append(flag)
     assert not unused, f"{script}.py: no script, preset, sweep or docs page uses {unused}: remove them or justify them"
