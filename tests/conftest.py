@@ -115,6 +115,7 @@ SLOW = {
     "test_seed_commands.py::test_a_seed_command_trains_under_xvfb_run": "a run under Xvfb",
     "test_seed_commands.py::test_human_mode_as_the_seed_ran_it_with_the_server_started_by_hand": "a human-mode run",
     "test_seed_commands.py::test_the_seeds_sweep_runs_a_trial_on_the_local_backend": "a sweep trial",
+    "test_seed_commands.py::test_the_seeds_wandb_sweep_commands_run_up_to_wandb_and_say_what_it_needs": "wandb's import",
     "test_run_endings.py::test_a_damaged_checkpoint_is_one_line_naming_it_and_the_runs_other_checkpoints": "runs, resumed",
     "test_run_endings.py::test_a_finished_run_says_what_it_reached_in_one_closing_line": "a run",
     "test_run_endings.py::test_the_progress_bar_shows_the_last_evaluation_once_there_is_one": "a run",
