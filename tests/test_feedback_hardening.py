@@ -613,8 +613,8 @@ def test_one_annotator_cannot_hold_every_pending_pair(tmp_path):
 
 
 def test_a_server_killed_mid_upload_leaves_no_temporary_files_behind(tmp_path):
-    """SIGKILL while an upload writes its clips leaves .upload-*.tmp files; the next start removes them (and keeps every
-    stored clip)."""
+    """SIGKILL while an upload writes its clips leaves .upload-*.tmp files; the next start removes them, keeps every
+    clip a stored pair names and removes the clips of the batch whose rows were never committed."""
     n = 3000
     queries = [
         {"left_clip": f"p{i}a.mp4", "right_clip": f"p{i}b.mp4", "left_segment_id": i, "right_segment_id": -i, "session": 1}
@@ -649,12 +649,14 @@ def test_a_server_killed_mid_upload_leaves_no_temporary_files_behind(tmp_path):
         if left:
             break
     assert left, "the upload was never caught mid-write"
-    stored = sorted(p.name for p in clips_dir.glob("*.mp4"))
+    with contextlib.closing(sqlite3.connect(s.data_dir / "feedback.sqlite3")) as con:
+        named = {name for row in con.execute("SELECT left_clip, right_clip FROM queries WHERE run_id = ?", (run_id,)) for name in row}
+    kept = sorted(p.name for p in clips_dir.glob("*.mp4") if p.name in named)
 
     s = Server(tmp_path)  # the same data dir
     try:
         assert list(clips_dir.glob(".upload-*.tmp")) == []
-        assert sorted(p.name for p in clips_dir.glob("*.mp4")) == stored
+        assert sorted(p.name for p in clips_dir.glob("*.mp4")) == kept  # a row's clips stay, the batch's others go
     finally:
         s.stop()
 
