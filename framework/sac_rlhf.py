@@ -181,6 +181,9 @@ class Args(CheckpointArgs, FeedbackArgs, PreferenceArgs, SACArgs, PresetArgs):
 
     qpa_hybrid_ratio: float = 0.0
     """QPA: this share of every SAC batch comes from the last --qpa-query-episodes episodes while sessions remain (QPA: 0.5)"""
+    reset_actor_after_exploration: bool = False
+    """start SAC's actor afresh with the critic when the first labels end exploration: keep exploration's data, not its
+    policy (on HalfCheetah the state-entropy policy rolls onto its back, and SAC on the learned reward runs on it)"""
     reset_agent_below_correlation: float = -1.0
     """start SAC afresh after a session whose relabel correlates below this with the rewards before it (-1: never)"""
 
@@ -833,7 +836,10 @@ def reset_after_session(agent: SACAgent, loop: LoopState, labels: int, reward_ch
     with --reset-agent-below-correlation, a session that changed the reward a lot starts SAC afresh: an agent settled on
     what an earlier reward paid for can stay there (the primacy bias, Nikishin et al. 2022)."""
     if labels > 0 and not loop.learning_from_preferences:
-        agent.reset_critic()
+        if args.reset_actor_after_exploration:
+            reinitialise_agent(agent)
+        else:
+            agent.reset_critic()
         loop.learning_from_preferences = True
     elif loop.learning_from_preferences and reward_change < args.reset_agent_below_correlation:
         reinitialise_agent(agent)
