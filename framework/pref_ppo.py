@@ -136,6 +136,9 @@ class PreferenceArgs:
     """width of the reward networks' hidden layers"""
     reward_net_hidden_layers: int = 3
     """hidden layers of each reward network"""
+    reward_net_bounded: bool = True
+    """squash each step's learned reward into (-1, 1) with tanh, as PEBBLE does; --no-reward-net-bounded keeps it
+    linear: squashed, the fastest gaits' rewards bunch up under 1 and running faster earns little more"""
     reward_net_normalize_inputs: bool = False
     """standardise the reward model's (obs, action) inputs with the replay buffer's statistics (the DMC presets do)"""
     reward_net_lr: float = 3e-4
@@ -494,11 +497,14 @@ RELABEL_CHUNK = 1024
 
 
 class RewardEnsemble(nn.Module):
-    """r_e(s, a) for every member e in one batched network; outputs lie in (-1, 1) (tanh, as PEBBLE)."""
+    """r_e(s, a) for every member e in one batched network; outputs lie in (-1, 1) (tanh, as PEBBLE) where `bounded`,
+    else the last layer's output as it is."""
 
-    def __init__(self, input_dim: int, ensemble_size: int = 3, hidden_dim: int = 256, hidden_layers: int = 3, dropout: float = 0.0):
+    def __init__(
+        self, input_dim: int, ensemble_size: int = 3, hidden_dim: int = 256, hidden_layers: int = 3, dropout: float = 0.0, bounded: bool = True
+    ):
         super().__init__()
-        self.ensemble_size = ensemble_size
+        self.ensemble_size, self.bounded = ensemble_size, bounded
         self.net = ensemble_mlp(ensemble_size, input_dim, hidden_dim, hidden_layers, 1, activation=nn.LeakyReLU, dropout=dropout)
         # Identity until set_input_statistics: raw inputs generalised worse to the policy's later data (reward_learning bench)
         self.register_buffer("input_mean", torch.zeros(input_dim))
@@ -521,7 +527,7 @@ class RewardEnsemble(nn.Module):
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape[:-1]
         out = self.net(((x - self.input_mean) / self.input_std).reshape(self.ensemble_size, -1, x.shape[-1]))
-        return torch.tanh(out).reshape(shape)
+        return (torch.tanh(out) if self.bounded else out).reshape(shape)
 
 
 def bradley_terry_loss(returns: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -966,7 +972,7 @@ def main(args: Args, on_evaluation: Callable[[int, float], None] | None = None, 
         agent = Agent(obs_dim, action_space, *hidden).to(device)
         optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5, fused=True)  # one kernel: 4x faster steps
         reward_net = (args.reward_ensemble_size, args.reward_net_hidden_dim, args.reward_net_hidden_layers)
-        reward_model = RewardEnsemble(obs_dim + action_input_dim, *reward_net).to(device)
+        reward_model = RewardEnsemble(obs_dim + action_input_dim, *reward_net, bounded=args.reward_net_bounded).to(device)
         reward_optimizer = torch.optim.Adam(reward_model.parameters(), lr=args.reward_net_lr, fused=True)  # one kernel: 2.5x faster steps
         rb = ReplayBuffer(min(args.buffer_size, args.total_timesteps), obs_dim, action_input_dim, state_dim)
         prefs = PreferenceBuffer(args.segment_length, obs_dim + action_input_dim, state_dim)
