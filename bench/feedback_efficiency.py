@@ -116,6 +116,7 @@ VARIANTS = {
     # standardised; and with it SAC's actor started afresh when exploration ends (its state-entropy policy's habits).
     "norm": ["--reward-net-normalize-inputs"],
     "norm-reset": ["--reward-net-normalize-inputs", "--reset-actor-after-exploration"],
+    "norm-reset-std1": ["--reward-net-normalize-inputs", "--reset-actor-after-exploration", "--learned-reward-std", "1"],
     "norm-reset-linear": ["--reward-net-normalize-inputs", "--reset-actor-after-exploration", "--no-reward-net-bounded"],
 }
 

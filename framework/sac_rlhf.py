@@ -184,6 +184,10 @@ class Args(CheckpointArgs, FeedbackArgs, PreferenceArgs, SACArgs, PresetArgs):
 
     qpa_hybrid_ratio: float = 0.0
     """QPA: this share of every SAC batch comes from the last --qpa-query-episodes episodes while sessions remain (QPA: 0.5)"""
+    learned_reward_std: float = 0.0
+    """SAC learns the learned reward rescaled, uncentred, to this standard deviation over the replay buffer, set at every
+    relabel (0: as the model gives it): a reward model's scale is whatever fits the labels (about 0.3 on HalfCheetah, 10
+    times smaller than the env's), and SAC learned the true reward scaled that small as slowly as it learned the model"""
     reset_actor_after_exploration: bool = False
     """start SAC's actor afresh with the critic when the first labels end exploration: keep exploration's data, not its
     policy (on HalfCheetah the state-entropy policy rolls onto its back, and SAC on the learned reward runs on it)"""
@@ -795,6 +799,7 @@ class LoopState:
     learning_from_preferences: bool = False  # PEBBLE's second phase: labels exist and the critic was reset for them
     last_eval_return: float = float("nan")
     agent_resets: int = 0  # --reset-agent-below-correlation: sessions after which SAC started afresh
+    reward_scale: float = 1.0  # --learned-reward-std: the factor SAC's learned rewards are multiplied by
 
 
 def exploration_rewards(rb: ReplayBuffer, next_obs: torch.Tensor, intrinsic_rms: RunningMoments, args: Args, rng, device) -> torch.Tensor:
@@ -860,13 +865,19 @@ def sample_batch(rb: ReplayBuffer, rng, args: Args, loop: LoopState, hybrid: boo
     return rb.sample_indices(args.batch_size, rng, recent_slots, args.qpa_hybrid_ratio if hybrid else 0.0), recent_slots
 
 
-def learned_rewards(rb: ReplayBuffer, idx: np.ndarray, args: Args, step: int, device) -> torch.Tensor:
+def sac_reward_scale(rb: ReplayBuffer, args: Args) -> float:
+    """--learned-reward-std over the standard deviation of the buffer's learned rewards (1: none asked, or constant)."""
+    std = float(rb.learned_rewards[: rb.size].std()) if rb.size > 1 else 0.0
+    return args.learned_reward_std / std if args.learned_reward_std > 0 and std > 0 else 1.0
+
+
+def learned_rewards(rb: ReplayBuffer, idx: np.ndarray, args: Args, step: int, device, scale: float = 1.0) -> torch.Tensor:
     """A batch's learned reward, plus RUNE's bonus beta_t x the ensemble's std: optimism where the reward model is
-    unsure, decaying over the run."""
+    unsure, decaying over the run; both times `scale` (--learned-reward-std)."""
     rewards = torch.as_tensor(rb.learned_rewards[idx], device=device)
     if args.rune:
         rewards = rewards + rune_beta(args.rune_beta, args.rune_beta_decay, step) * torch.as_tensor(rb.reward_std[idx], device=device)
-    return rewards
+    return rewards * scale if scale != 1.0 else rewards
 
 
 def main(args: Args, on_evaluation: Callable[[int, float], None] | None = None, reward_training: Callable | None = None) -> dict:
@@ -939,6 +950,7 @@ def main(args: Args, on_evaluation: Callable[[int, float], None] | None = None, 
                         record_labels(prefs, label_log, session, loop, heldout_fraction, rng, teacher)
                         reward_stats = reward_training(reward_model, reward_optimizer, prefs, rb, args, rng, device)
                         reward_change = relabel(reward_model, rb, pending, device)
+                        loop.reward_scale = sac_reward_scale(rb, args)
                         reset_after_session(agent, loop, len(prefs), reward_change, args)
                         show_reward_model(teacher, session, prefs, rb, predict_learned_rewards, args, rng, step)
                         metrics = reward_model_metrics(reward_model, prefs, rb, args, teacher.labels_are_free, loop.global_step, device)
@@ -975,7 +987,7 @@ def main(args: Args, on_evaluation: Callable[[int, float], None] | None = None, 
                         extra = {"exploration/intrinsic_reward": float(batch_rewards.mean())}
                     else:
                         pending.fill_if_sampled(predict_learned_rewards, rb, idx)
-                        batch_rewards = learned_rewards(rb, idx, args, step, device)
+                        batch_rewards = learned_rewards(rb, idx, args, step, device, loop.reward_scale)
                         extra = {"rune/beta": rune_beta(args.rune_beta, args.rune_beta_decay, step)} if args.rune else {}
                     batch_actions, batch_terminated = (torch.as_tensor(array[idx], device=device) for array in (rb.actions, rb.terminated))
                     stats = agent.update(batch_obs, batch_actions, batch_rewards, batch_next_obs, batch_terminated, step)
