@@ -112,6 +112,11 @@ VARIANTS = {
     # draws from the same last episodes).
     "qpa-no-hybrid": [*QPA_BASE, *QPA_CROPS],  # every SAC batch uniform over the buffer
     "qpa-no-crops": [*QPA_BASE, *QPA_HYBRID],  # each label trains once per epoch, uncropped
+    # Gymnasium MuJoCo, one cause at a time (docs/benchmarks/findings/gym-mujoco.md): the reward model's inputs
+    # standardised; and with it SAC's actor started afresh when exploration ends (its state-entropy policy's habits).
+    "norm": ["--reward-net-normalize-inputs"],
+    "norm-reset": ["--reward-net-normalize-inputs", "--reset-actor-after-exploration"],
+    "norm-reset-std1": ["--reward-net-normalize-inputs", "--reset-actor-after-exploration", "--learned-reward-std", "1"],
 }
 
 

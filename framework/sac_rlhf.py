@@ -202,6 +202,13 @@ class Args(CheckpointArgs, FeedbackArgs, PreferenceArgs, SACArgs, PresetArgs):
     qpa_hybrid_ratio: float = 0.0
     """QPA: this share of every SAC batch comes from the last --qpa-query-episodes episodes while sessions remain
     (QPA: 0.5)"""
+    reset_actor_after_exploration: bool = False
+    """start SAC's actor afresh with the critic when the first labels end exploration: keep exploration's data, not
+    its policy (on HalfCheetah the state-entropy policy rolls onto its back, and SAC on the learned reward ran on it)"""
+    learned_reward_std: float = 0.0
+    """SAC learns the learned reward rescaled, uncentred, to this standard deviation over the replay buffer, set at
+    every relabel (0: as the model gives it). A reward model's scale is whatever fits the labels (about 0.3 on
+    HalfCheetah, ten times smaller than the env's), and SAC learned the true reward scaled that small as slowly"""
 
 
 # ----------------------------------------------------------------------------------------
@@ -795,7 +802,7 @@ def validate_sac_args(args: SACArgs) -> None:
 def validate_args(args: Args) -> None:
     validate_sac_args(args)
     validate_preference_args(args)
-    check_ranges(args, {"qpa_hybrid_ratio": "in [0, 1]"})
+    check_ranges(args, {"qpa_hybrid_ratio": "in [0, 1]", "learned_reward_std": ">= 0"})
     need(
         args.qpa_hybrid_ratio == 0 or args.qpa_query_episodes > 0,
         f"--qpa-hybrid-ratio {args.qpa_hybrid_ratio} needs --qpa-query-episodes N (the episodes it replays), got 0",
@@ -822,12 +829,28 @@ class LoopState:
     queries_skipped: int = 0
     learning_from_preferences: bool = False  # PEBBLE's second phase: labels exist and the critic was reset for them
     last_eval_return: float = float("nan")
+    reward_scale: float = 1.0  # --learned-reward-std: the factor SAC's learned rewards are multiplied by
 
 
-def reset_after_session(agent: SACAgent, loop: LoopState, labels: int) -> None:
-    """PEBBLE resets the critic when the first labels end exploration: its values were of the intrinsic reward."""
+def start_afresh(agent: SACAgent) -> None:
+    """A fresh actor and critics, the initial temperature, fresh optimisers. The actor's layers are re-initialised in
+    place, so a policy compiled from it (--compile) acts with the new weights."""
+    for layer in agent.actor.modules():
+        if isinstance(layer, nn.Linear):
+            layer.reset_parameters()  # what nn.Linear's constructor does, as a fresh Actor gets
+    agent.actor_optimizer = adam(agent.actor.parameters(), agent.args.policy_lr, agent.args)
+    agent.reset_critic()
+    with torch.no_grad():
+        agent.log_alpha.fill_(math.log(agent.args.alpha))
+    if agent.args.autotune:
+        agent.alpha_optimizer = adam([agent.log_alpha], agent.args.q_lr, agent.args)
+
+
+def reset_after_session(agent: SACAgent, loop: LoopState, labels: int, args: Args) -> None:
+    """PEBBLE resets the critic when the first labels end exploration: its values were of the intrinsic reward (with
+    --reset-actor-after-exploration the actor and temperature too)."""
     if labels > 0 and not loop.learning_from_preferences:
-        agent.reset_critic()
+        start_afresh(agent) if args.reset_actor_after_exploration else agent.reset_critic()
         loop.learning_from_preferences = True
 
 
@@ -881,14 +904,21 @@ def sample_batch(rb: ReplayBuffer, rng, args: Args, loop: LoopState, hybrid: boo
     return idx, batch, recent_slots
 
 
-def learned_rewards(rb: ReplayBuffer, idx: np.ndarray, args: Args, step: int, device) -> torch.Tensor:
+def sac_reward_scale(rb: ReplayBuffer, args: Args) -> float:
+    """--learned-reward-std over the standard deviation of the buffer's learned rewards (1: none asked, or a constant
+    reward, whose float32 rounding would otherwise be blown up to the asked spread)."""
+    std = float(rb.learned_rewards[: rb.size].std(dtype=np.float64)) if rb.size > 1 else 0.0
+    return args.learned_reward_std / std if args.learned_reward_std > 0 and std > 1e-6 else 1.0
+
+
+def learned_rewards(rb: ReplayBuffer, idx: np.ndarray, args: Args, step: int, device, scale: float) -> torch.Tensor:
     """A batch's learned reward, plus RUNE's bonus beta_t x the ensemble's std: optimism where the reward model is
-    unsure, decaying over the run."""
+    unsure, decaying over the run; both times `scale` (--learned-reward-std)."""
     rewards = torch.as_tensor(rb.learned_rewards[idx], device=device)
     if args.rune:
         bonus = torch.as_tensor(rb.reward_std[idx], device=device)
         rewards = rewards + rune_beta(args.rune_beta, args.rune_beta_decay, step) * bonus
-    return rewards
+    return rewards * scale if scale != 1.0 else rewards  # bit for bit as before where no scale is asked
 
 
 def main(args: Args, on_evaluation=None, reward_training: Callable | None = None, after_session=None) -> dict:
@@ -953,7 +983,8 @@ def main(args: Args, on_evaluation=None, reward_training: Callable | None = None
                         reward_stats = reward_training(reward_model, reward_optimizer, prefs, rb, args, rng, device)
                         reward_change = relabel(reward_model, rb, pending, device)
                         measures = after_session(agent, loop, reward_change) if after_session else {}
-                        reset_after_session(agent, loop, len(prefs))  # the first labels: a fresh critic
+                        loop.reward_scale = sac_reward_scale(rb, args)
+                        reset_after_session(agent, loop, len(prefs), args)  # the first labels: a fresh critic
                         loop.sessions_done += complete
                         show_reward_model(teacher, session, prefs, rb, predict_learned_rewards, args, rng, step)
                         metrics = reward_model_metrics(reward_model, prefs, rb, args, free, step, device)
@@ -989,7 +1020,7 @@ def main(args: Args, on_evaluation=None, reward_training: Callable | None = None
                         extra = {"exploration/intrinsic_reward": float(batch_rewards.mean())}
                     else:
                         pending.fill_if_sampled(predict_learned_rewards, rb, idx)
-                        batch_rewards = learned_rewards(rb, idx, args, step, device)
+                        batch_rewards = learned_rewards(rb, idx, args, step, device, loop.reward_scale)
                         beta = rune_beta(args.rune_beta, args.rune_beta_decay, step)
                         extra = {"rune/beta": beta} if args.rune else {}
                     stats = agent.update(**batch, rewards=batch_rewards, global_step=step)

@@ -10,7 +10,6 @@
 #
 #   python framework/sac_rlhf_agent_reset.py --env-id Hopper-v5 --teacher-objective hopper-backflip \
 #       --reset-agent-below-correlation 0.9
-import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -19,13 +18,10 @@ from cleanrlhf_utils.arguments import refuse_unknown_flags
 if __name__ == "__main__":
     refuse_unknown_flags(__file__)  # a mistyped flag: one line at once, not after the seconds torch takes to import
 
-import torch
-import torch.nn as nn
 
 import sac_rlhf
 from cleanrlhf_utils.cli import cli
 from cleanrlhf_utils.errors import check_ranges
-from cleanrlhf_utils.speed import adam
 
 
 @dataclass
@@ -46,20 +42,6 @@ def validate_args(args: Args) -> None:
     check_ranges(args, {"reset_agent_below_correlation": "in [-1, 1]"})
 
 
-def reinitialise_agent(agent: sac_rlhf.SACAgent) -> None:
-    """A fresh actor and critics, the initial temperature, fresh optimisers. The actor's layers are re-initialised in
-    place, so a policy compiled from it (--compile) acts with the new weights."""
-    for layer in agent.actor.modules():
-        if isinstance(layer, nn.Linear):
-            layer.reset_parameters()  # what nn.Linear's constructor does, as a fresh Actor gets
-    agent.actor_optimizer = adam(agent.actor.parameters(), agent.args.policy_lr, agent.args)
-    agent.reset_critic()
-    with torch.no_grad():
-        agent.log_alpha.fill_(math.log(agent.args.alpha))
-    if agent.args.autotune:
-        agent.alpha_optimizer = adam([agent.log_alpha], agent.args.q_lr, agent.args)
-
-
 class AgentReset:
     """sac_rlhf.main's after_session: after a session past exploration's end whose relabel correlates below the
     threshold with the rewards before it, SAC starts afresh. Counts the resets (logged as feedback/agent_resets,
@@ -70,7 +52,7 @@ class AgentReset:
 
     def __call__(self, agent: sac_rlhf.SACAgent, loop, reward_change: float) -> dict:
         if loop.learning_from_preferences and reward_change < self.threshold:  # NaN (no learned reward yet): never
-            reinitialise_agent(agent)
+            sac_rlhf.start_afresh(agent)
             self.resets += 1
         return {"agent_resets": self.resets}
 

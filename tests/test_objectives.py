@@ -186,6 +186,25 @@ def test_an_ant_episode_on_raise_leg_ends_when_it_tips_over(upside_down, ends):
     env.close()
 
 
+def test_ant_raise_leg_pays_the_foot_height_only_up_to_just_above_success():
+    """Real MuJoCo poses: a foot raised higher than needed earns no more than one just above the success height, so
+    leaning further back (what tipped the Ant over) is not paid; below it, higher still pays more."""
+    env = gym.make("Ant-v5").unwrapped
+    env.reset(seed=0)
+    heights, rewards = [], []
+    for torso_height in (0.7, 0.8, 0.95, 1.1):
+        qpos = env.init_qpos.copy()
+        qpos[2], qpos[7:9] = torso_height, [0.0, 0.6]  # level, front-left ankle at its top: the foot 0.32 m below
+        env.set_state(qpos, env.init_qvel)
+        state = get_physics_state(env)[None]
+        heights.append(objectives.ant_front_left_foot(state)[0][0])
+        rewards.append(objectives.ant_raise_leg(None, None, state)[0])
+    env.close()
+    assert heights == sorted(heights) and heights[-1] > heights[-2] > objectives.ANT_FOOT_HEIGHT_PAID
+    assert rewards[-1] == rewards[-2] == pytest.approx(objectives.ANT_FOOT_HEIGHT_PAID)
+    assert rewards[0] < rewards[1] < rewards[2]
+
+
 def test_ant_raise_leg_success_is_a_share_of_the_full_episode():
     """Success counts the steps with the foot up out of the env's 1000: an episode that ends after 100 steps with the
     foot up in all of them scores 0.1, not 1 (ending early must not look like holding the leg up)."""

@@ -4,6 +4,7 @@ Q-values and entropy), the agent reset after a session that changes the reward, 
 decomposition."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -176,7 +177,7 @@ def test_a_relabels_change_is_measured_on_the_rows_that_had_a_learned_reward():
     assert pending.count == 0 and (rb.learned_rewards[4:] != 99.0).all()  # every row relabelled
 
 
-def test_reinitialise_agent_gives_fresh_networks_the_initial_temperature_and_fresh_optimisers():
+def test_starting_sac_afresh_gives_fresh_networks_the_initial_temperature_and_fresh_optimisers():
     import gymnasium as gym
 
     torch.manual_seed(0)
@@ -189,7 +190,7 @@ def test_reinitialise_agent_gives_fresh_networks_the_initial_temperature_and_fre
     trained_qf = {k: v.clone() for k, v in agent.qf.state_dict().items()}
     assert abs(agent.log_alpha.item() - np.log(0.2)) > 0.01 and agent.actor_optimizer.state
 
-    sac_rlhf_agent_reset.reinitialise_agent(agent)
+    sac_rlhf.start_afresh(agent)
     assert agent.actor is actor  # in place: a policy compiled from it acts with the new weights
     for name in ("trunk.0.weight", "fc_mean.weight", "fc_logstd.bias"):
         assert not torch.equal(agent.actor.state_dict()[name], trained_actor[name]), name
@@ -339,3 +340,72 @@ def test_combine_reports_the_runs_of_several_invocations_as_one_table_and_refuse
         refused = subprocess.run([*bench, str(seed1), str(extra), "--output", str(tmp_path / "x.json")], capture_output=True, text=True)
         assert refused.returncode != 0 and message in refused.stderr and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
         assert not (tmp_path / "x.json").exists()
+
+
+# --learned-reward-std and --reset-actor-after-exploration (the Gymnasium MuJoCo findings)
+
+
+def test_learned_reward_std_gives_sac_the_learned_reward_at_that_std_without_moving_its_zero():
+    from cleanrlhf_utils.buffers import ReplayBuffer
+
+    rb = ReplayBuffer(1000, OBS_DIM, ACTION_DIM, 1)
+    rb.pos = 800  # 800 filled rows; the rest stay out of the statistics
+    rb.learned_rewards[:800] = np.random.default_rng(0).normal(0.1, 0.3, 800)
+    rb.learned_rewards[800:] = 50.0
+    idx, cpu = np.arange(800), torch.device("cpu")
+
+    args = sac_rlhf.Args(learned_reward_std=1.0)
+    scaled = sac_rlhf.learned_rewards(rb, idx, args, 0, cpu, sac_rlhf.sac_reward_scale(rb, args))
+    assert scaled.std(unbiased=False).item() == pytest.approx(1.0, rel=1e-5)
+    assert torch.allclose(scaled / torch.as_tensor(rb.learned_rewards[:800]), scaled[0] / rb.learned_rewards[0])  # uncentred
+
+    default = sac_rlhf.Args()
+    assert sac_rlhf.sac_reward_scale(rb, default) == 1.0
+    assert torch.equal(sac_rlhf.learned_rewards(rb, idx, default, 0, cpu, 1.0), torch.as_tensor(rb.learned_rewards[:800]))
+    rb.learned_rewards[:800] = 0.2  # a constant reward has no scale to set: left as it is
+    assert sac_rlhf.sac_reward_scale(rb, args) == 1.0
+    with pytest.raises(sac_rlhf.ConfigError, match="--learned-reward-std"):
+        sac_rlhf.validate_args(sac_rlhf.Args(learned_reward_std=-1.0))
+
+
+@pytest.mark.parametrize("reset_actor", [False, True])
+def test_the_first_labels_reset_the_critic_and_only_when_asked_the_actor_and_temperature(reset_actor):
+    import gymnasium as gym
+
+    torch.manual_seed(0)
+    args = sac_rlhf.Args(actor_hidden_dim=32, critic_hidden_dim=32, alpha=0.2, reset_actor_after_exploration=reset_actor)
+    agent = sac_rlhf.SACAgent(OBS_DIM, gym.spaces.Box(-1.0, 1.0, (ACTION_DIM,), np.float32), args, torch.device("cpu"))
+    batch = [torch.randn(64, OBS_DIM), torch.rand(64, ACTION_DIM) * 2 - 1, torch.randn(64), torch.randn(64, OBS_DIM), torch.zeros(64)]
+    for step in range(50):
+        agent.update(*batch, global_step=step)
+    trained_actor = {k: v.clone() for k, v in agent.actor.state_dict().items()}
+    trained_qf, trained_alpha = {k: v.clone() for k, v in agent.qf.state_dict().items()}, agent.log_alpha.item()
+    loop = sac_rlhf.LoopState()
+
+    sac_rlhf.reset_after_session(agent, loop, 0, args)  # no labels yet: nothing changes
+    assert not loop.learning_from_preferences
+    assert all(torch.equal(value, trained_qf[name]) for name, value in agent.qf.state_dict().items())
+    sac_rlhf.reset_after_session(agent, loop, 10, args)
+    assert loop.learning_from_preferences
+    assert all(not torch.equal(value, trained_qf[name]) for name, value in agent.qf.state_dict().items())
+    actor_kept = all(torch.equal(value, trained_actor[name]) for name, value in agent.actor.state_dict().items())
+    assert actor_kept != reset_actor
+    assert agent.log_alpha.item() == (pytest.approx(np.log(0.2), abs=1e-7) if reset_actor else trained_alpha)
+
+
+def test_the_oracle_loop_gives_sac_the_envs_reward_times_its_scale_where_pebble_gives_the_models(chdir_tmp):
+    """bench/oracle_loop.py: PEBBLE's loop as it is (sessions, labels, fits), the learned rewards replaced by the env's
+    reward times --reward-scale in every relabel and pending row."""
+    command = [sys.executable, str(REPO / "bench" / "oracle_loop.py"), "--env-id", "Hopper-v5", "--run-name", "oracle"]
+    command += ["--total-timesteps", "800", "--total-explore-steps", "300", "--learning-starts", "200"]
+    command += ["--teacher-feedback-total-queries", "20", "--teacher-feedback-num-queries-per-session", "10"]
+    command += ["--teacher-feedback-frequency", "300", "--evaluation-frequency", "0", "--reward-scale", "0.5"]
+    command += ["--actor-hidden-dim", "32", "--critic-hidden-dim", "32", "--reward-net-hidden-dim", "32", "--no-progress-bar"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env={**os.environ, "MUJOCO_GL": "egl"})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "2 sessions, 20 labels" in result.stdout  # the teacher's sessions happened as in PEBBLE
+    with np.load("models/oracle/latest/replay_buffer.npz") as replay:
+        learned, true = replay["learned_rewards"][:800], replay["true_rewards"][:800]
+    after_exploration = slice(300, 800)
+    np.testing.assert_allclose(learned[after_exploration], 0.5 * true[after_exploration], rtol=1e-6)
+    assert true[after_exploration].std() > 0  # a real reward, not zeros equal to zeros
