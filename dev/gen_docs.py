@@ -13,16 +13,20 @@ What is generated (never edit these by hand; edit the source and re-run):
   `<!-- results:end -->` markers (one row per task and setting of the results the manifest feeds to the `suite`),
   and each table a hand-written page or README.md asks for with `<!-- table: ... -->` markers (see fill_tables),
   the manifest's summary tables among them (prose cells whose figures are read from the results).
+- the gallery in README.md, between `<!-- gallery:start -->` and `<!-- gallery:end -->`: a GIF per shipped policy
+  policies/manifest.json lists, captioned with its `behaviour`, who taught it and its labels. The GIFs themselves come
+  from `python toolbox/gallery.py` (they need MuJoCo); the check names a GIF that is missing.
 
 Every result is read through the manifest: a results file it does not list, or a page whose table markers name a
 result the manifest does not say it feeds (and the reverse), stops the generator with the list of what differs.
 
-The check compares the markdown byte for byte. Plots are only checked to exist: matplotlib's PNG bytes differ between
+The check compares the markdown byte for byte. Plots and GIFs are only checked to exist: matplotlib's PNG bytes differ between
 its versions, so comparing them would fail on a machine with another matplotlib although nothing changed.
 """
 
 import argparse
 import ast
+import html
 import json
 import math
 import os
@@ -38,7 +42,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 from common import MANIFEST, Manifest, Result, defence_name, read_manifest, spread  # noqa: E402  (the benchmarks' own rules)
 
+from cleanrlhf_utils import policies  # noqa: E402  (light: no torch)
 from cleanrlhf_utils.args_source import Field, class_fields, find_class, help_groups  # noqa: E402  (the scripts' Args, read with ast)
+from cleanrlhf_utils.errors import ConfigError  # noqa: E402
 
 FINDINGS_LINK = "findings/index.md"
 """The findings, as the generated benchmark pages (in docs/benchmarks/) link to them."""
@@ -842,6 +848,39 @@ def fill_tables(text: str, results: dict[str, dict], where: str, repo: Path = RE
 
 
 # ------------------------------------------------------------------------------------------------------------------
+# The README's gallery of shipped policies
+# ------------------------------------------------------------------------------------------------------------------
+GALLERY_START, GALLERY_END = "<!-- gallery:start -->", "<!-- gallery:end -->"
+GALLERY_COLUMNS = 3
+"""GIFs side by side in a row of the gallery (240 pixels each fit GitHub's page)"""
+
+
+def shipped_policies(repo: Path) -> dict[str, dict]:
+    try:
+        return policies.read_manifest(repo / "policies")
+    except ConfigError as error:
+        raise SystemExit(str(error)) from None
+
+
+def gallery_cell(name: str, entry: dict) -> str:
+    """One policy's GIF with its title and how it was taught (an HTML cell: GitHub shows a markdown table's images
+    only as wide as the header allows)."""
+    title = html.escape(entry["behaviour"])
+    return (
+        f'<td align="center"><img src="{policies.gallery_gif(name)}" width="240" alt="{title}"><br>'
+        f"<b>{title}</b><br>{html.escape(policies.caption(entry))}</td>"
+    )
+
+
+def gallery(manifest: dict[str, dict]) -> str:
+    """The gallery's HTML table: every shipped policy in the manifest's order, GALLERY_COLUMNS to a row, a row a line
+    (the README stays short)."""
+    cells = [gallery_cell(name, entry) for name, entry in manifest.items()]
+    rows = [cells[start : start + GALLERY_COLUMNS] for start in range(0, len(cells), GALLERY_COLUMNS)]
+    return "<table>\n" + "".join(f"<tr>{''.join(row)}</tr>\n" for row in rows) + "</table>\n"
+
+
+# ------------------------------------------------------------------------------------------------------------------
 # Everything, and the check
 # ------------------------------------------------------------------------------------------------------------------
 def generate(repo: Path = REPO) -> tuple[dict[str, str], dict[str, Callable[[Path], None]]]:
@@ -873,8 +912,19 @@ def generate(repo: Path = REPO) -> tuple[dict[str, str], dict[str, Callable[[Pat
         text = pages.get(relative, text)
         if TABLE_MARKER.search(text):
             pages[relative] = fill_tables(text, results, relative, repo, manifest)
+    readme = pages.get("README.md", hand_written["README.md"])
+    if GALLERY_START in readme and GALLERY_END in readme:
+        head, rest = readme.split(GALLERY_START, 1)
+        tail = rest.split(GALLERY_END, 1)[1]
+        pages["README.md"] = f"{head}{GALLERY_START}\n{gallery(shipped_policies(repo))}{GALLERY_END}{tail}"
     plot_files = {plot_file(name): draw for name, draw in plots.items()}
     return pages, plot_files
+
+
+def missing_gifs(repo: Path = REPO) -> list[str]:
+    """The gallery GIFs of shipped policies that do not exist (python toolbox/gallery.py makes them)."""
+    gifs = [policies.gallery_gif(name) for name in shipped_policies(repo)]
+    return [gif for gif in gifs if not (repo / gif).is_file()]
 
 
 def stale(repo: Path = REPO) -> list[str]:
@@ -886,7 +936,7 @@ def stale(repo: Path = REPO) -> list[str]:
         if not path.is_file() or path.read_text() != text:
             found.append(relative)
     found += [relative for relative in plot_files if not (repo / relative).is_file()]
-    return found
+    return found + missing_gifs(repo)
 
 
 def write(repo: Path = REPO) -> list[str]:
@@ -911,12 +961,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         found = stale(args.repo)
         for relative in found:
-            print(f"stale: {relative} (regenerate with: python dev/gen_docs.py)", file=sys.stderr)
+            command = "python toolbox/gallery.py" if relative.endswith(".gif") else "python dev/gen_docs.py"
+            print(f"stale: {relative} (regenerate with: {command})", file=sys.stderr)
         if not found:
             print("generated docs are current")
         return 1 if found else 0
     written = write(args.repo)
     print(f"wrote {len(written)} page(s){': ' + ', '.join(written) if written else ''}; plots redrawn")
+    for relative in missing_gifs(args.repo):
+        print(f"missing: {relative} (make it with: python toolbox/gallery.py)", file=sys.stderr)
     return 0
 
 

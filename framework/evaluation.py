@@ -19,6 +19,7 @@ from cleanrlhf_utils.envs import CAMERAS, check_env_id
 from cleanrlhf_utils.errors import ConfigError, need
 from cleanrlhf_utils.evaluate import evaluate_episodes, success_rate
 from cleanrlhf_utils.objectives import load_objective, mean_measures
+from cleanrlhf_utils.policies import MANIFEST
 from cleanrlhf_utils.training import set_torch_threads
 from sac import Actor, make_env
 
@@ -83,10 +84,6 @@ def load_actor(path: str | Path, env_id: str | None = None) -> tuple[torch.nn.Mo
     except RuntimeError as error:
         raise ConfigError(f"the model in {path} does not fit --env-id {env_id}: {str(error).splitlines()[0]}") from None
     return actor, env_id
-
-
-MANIFEST = "manifest.json"
-"""the file beside shipped policies that describes each (policies/manifest.json): file name -> entry"""
 
 
 def manifest_entry(path: str | Path) -> dict:

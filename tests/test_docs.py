@@ -39,7 +39,7 @@ def project_copy(tmp_path: Path) -> Path:
     """What the generator reads and writes, copied, so a test can change a source without touching the checkout."""
     copy = tmp_path / "repo"
     ignore = shutil.ignore_patterns("__pycache__", "*.egg-info")
-    for folder in ("framework", "bench/results", "docs"):
+    for folder in ("framework", "bench/results", "docs", "policies"):
         shutil.copytree(REPO / folder, copy / folder, ignore=ignore)
     shutil.copy(REPO / "README.md", copy / "README.md")
     return copy
@@ -68,6 +68,27 @@ def test_the_check_names_a_page_made_stale_by_a_docstring_or_a_result(tmp_path, 
     assert gen_docs.main(["--repo", str(copy)]) == 0
     assert gen_docs.stale(copy) == []
     assert "environment steps of the whole run" in (copy / "docs/reference/flags-sac_rlhf.md").read_text()
+
+
+def test_a_policy_shipped_without_its_gif_makes_the_readme_gallery_stale(tmp_path):
+    """A policy added to policies/manifest.json: the README's gallery lacks it until regenerated (the check of every
+    page, which takes minutes here, is test_generated_pages_are_current's), its GIF is missing until toolbox/gallery.py
+    makes it, the gallery shows its title and labels, and a bad caption stops the generator."""
+    copy = project_copy(tmp_path)
+    path = copy / "policies" / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["walker-pebble.pt"] = manifest["halfcheetah-pebble.pt"] | {"behaviour": "Walker2d walking", "labels": 200}
+    path.write_text(json.dumps(manifest, indent=1) + "\n")
+    assert gen_docs.missing_gifs(copy) == ["docs/gallery/walker-pebble.gif"]  # what stale() adds to the pages it names
+    shown = (copy / "README.md").read_text().split(gen_docs.GALLERY_START)[1].split(gen_docs.GALLERY_END)[0]
+    gallery = gen_docs.gallery(gen_docs.shipped_policies(copy))
+    assert shown != "\n" + gallery and "walker-pebble" not in shown  # generate() puts `gallery` there: README.md is stale
+    cell = gallery.split('<img src="docs/gallery/walker-pebble.gif"')[1].split("</td>")[0]
+    assert cell.endswith("<b>Walker2d walking</b><br>preferences of the synthetic teacher, 200 labels")
+    manifest["walker-pebble.pt"]["taught_by"] = "a-crowd"
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(SystemExit, match=r"walker-pebble\.pt: taught_by 'a-crowd' is not one of: synthetic-teacher, "):
+        gen_docs.shipped_policies(copy)
 
 
 def edit_manifest(copy: Path, edit) -> None:
@@ -291,6 +312,9 @@ RUN_BY_TESTS = {
     r"^python framework/evaluation\.py --path-to-model ": "tests/test_end_to_end.py::test_pebble_run_writes_scalars_checkpoint_and_feedback",
     r"^python toolbox/export_policy\.py ": "tests/test_policies.py::test_an_exported_checkpoint_evaluates_as_recorded",
     r"^python toolbox/filmstrip\.py ": "tests/test_policies.py::test_a_filmstrip_holds_the_frames_it_names",
+    r"^python toolbox/gallery\.py --names ": (
+        "tests/test_gallery.py::test_a_gif_holds_the_frames_its_settings_say_and_the_same_seed_gives_the_same_bytes"
+    ),
     r"^python framework/sweep\.py --export-best ": "tests/test_sweep.py::test_optuna_sweep_stores_three_trials_and_exports_the_best",
     r"^bash dev/install_test_deps\.sh": "tests/test_newcomer.py::test_install_test_deps_installs_what_is_missing_once_and_says_so",
     r"^python dev/gen_docs\.py": "tests/test_docs.py::test_the_check_names_a_page_made_stale_by_a_docstring_or_a_result",

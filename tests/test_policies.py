@@ -70,8 +70,11 @@ def test_an_exported_checkpoint_evaluates_as_recorded(chdir_tmp):
         )
     )  # fmt: skip
     entry = export_policy.main(
-        export_policy.Args("models/flip/latest", "flip", "a test", episodes=2, check_episodes=1, commit="abc1234", out_dir="shipped")
-    )
+        export_policy.Args(
+            "models/flip/latest", "flip", "a test", "Hopper flipping", "objective-ceiling",
+            episodes=2, check_episodes=1, commit="abc1234", out_dir="shipped",
+        )
+    )  # fmt: skip
     weights, actor = (
         torch.load("shipped/flip.pt", weights_only=True),
         torch.load("models/flip/latest/checkpoint.pt", weights_only=False)["agent"]["actor"],
@@ -80,6 +83,7 @@ def test_an_exported_checkpoint_evaluates_as_recorded(chdir_tmp):
     assert entry["env_id"] == "Hopper-v5" and entry["objective"] == "hopper-landed-backflip" and entry["steps"] == 300
     assert (entry["actor_hidden_dim"], entry["terminate_when_unhealthy"], entry["terminate_when_tilted"]) == (32, False, False)
     assert entry["measure"]["objective_measures"].keys() == {"torso_high_backflips"}
+    assert (entry["behaviour"], entry["taught_by"]) == ("Hopper flipping", "objective-ceiling")  # the gallery's caption
     again = evaluation.main(evaluation.Args(policy="shipped/flip.pt", episodes=2))
     for key in ("returns", "objective_returns", "objective_successes", "objective_measures_per_episode"):
         assert again[key] == entry["measure"][key], key

@@ -3,7 +3,8 @@
 # the env, how it was trained) and what it measured: evaluation.py's result over --episodes episodes, on this machine.
 #
 #   python toolbox/export_policy.py models/<run>/latest --name hopper-landed-backflip-sac \
-#       --setting "SAC on the objective as its reward (sac.py --reward-objective)" --commit abc1234
+#       --setting "SAC on the objective as its reward (sac.py --reward-objective)" --commit abc1234 \
+#       --behaviour "Hopper attempting a landed backflip" --taught-by objective-ceiling
 #   python framework/evaluation.py --policy policies/hopper-landed-backflip-sac.pt --episodes 10 --video
 #
 # The weights alone (a few hundred kB) are enough to watch and measure a policy; to continue training, keep the run's
@@ -24,6 +25,7 @@ from cleanrlhf_utils.arguments import parse_args
 from cleanrlhf_utils.checkpoints import checkpoint_file, load_checkpoint
 from cleanrlhf_utils.envs import CAMERAS
 from cleanrlhf_utils.errors import ConfigError, need
+from cleanrlhf_utils.policies import MANIFEST, check_caption
 from cleanrlhf_utils.tracking import machine
 
 REPO = Path(__file__).resolve().parents[1]
@@ -37,6 +39,11 @@ class Args:
     """the shipped file's name, without .pt (letters, digits, - and _)"""
     setting: str
     """how it was trained, in a few words (e.g. "SAC on the objective as its reward (sac.py --reward-objective)")"""
+    behaviour: str
+    """what it does, as the README gallery's title says it (a few words, e.g. "Windmill turning clockwise")"""
+    taught_by: str
+    """who taught it, for the gallery's caption: synthetic-teacher, simulated-person, person (from --labels labels),
+    objective-ceiling (SAC on the objective as its reward) or true-reward (SAC on the env's reward)"""
     command: str = ""
     """the command that trained it"""
     labels: int = 0
@@ -69,6 +76,8 @@ def entry_for(checkpoint: dict, args: Args) -> dict:
         "terminate_when_tilted": trained["terminate_when_tilted"],
         "camera": args.camera,
         "setting": args.setting,
+        "behaviour": args.behaviour,
+        "taught_by": args.taught_by,
         "command": args.command,
         "seed": trained["seed"],
         "labels": args.labels,
@@ -81,11 +90,12 @@ def main(args: Args) -> dict:
     need(args.name.replace("-", "").replace("_", "").isalnum(), f"--name {args.name}: letters, digits, - and _ only")
     need(args.camera in CAMERAS, f"--camera {args.camera} is not one of: {', '.join(CAMERAS)}")
     need(1 <= args.check_episodes <= args.episodes, "--check-episodes must be between 1 and --episodes")
+    check_caption(args.behaviour, args.taught_by, args.labels, flags=True)
     checkpoint = load_checkpoint(checkpoint_file(args.checkpoint, "checkpoint"))
     entry = entry_for(checkpoint, args)
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    policy, manifest_path = out_dir / f"{args.name}.pt", out_dir / evaluation.MANIFEST
+    policy, manifest_path = out_dir / f"{args.name}.pt", out_dir / MANIFEST
     torch.save(checkpoint["agent"]["actor"], policy)
     manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else {}
     manifest[policy.name] = entry | {"sha256": hashlib.sha256(policy.read_bytes()).hexdigest()}

@@ -12,6 +12,7 @@ import numpy as np
 import tyro
 
 from cleanrlhf_utils.arguments import parse_args
+from cleanrlhf_utils.envs import write_gif
 from cleanrlhf_utils.errors import ConfigError, need
 
 
@@ -75,10 +76,9 @@ def main(args: Args) -> None:
     if args.gif:
         need(0 < args.gif_scale <= 1, f"--gif-scale {args.gif_scale}: between 0 (excluded) and 1")
         size = (round(stretch.shape[2] * args.gif_scale), round(stretch.shape[1] * args.gif_scale))
-        images = [Image.fromarray(frame).resize(size, Image.Resampling.LANCZOS) for frame in stretch[:: args.gif_step]]
-        duration = round(1000 * args.gif_step / fps)
-        images[0].save(args.gif, save_all=True, append_images=images[1:], duration=duration, loop=0, optimize=True)
-        print(f"{args.gif}: {len(images)} frames, {Path(args.gif).stat().st_size // 1024} kB")
+        kept = stretch[:: args.gif_step]
+        write_gif(args.gif, kept, 1000 * args.gif_step / fps, size)
+        print(f"{args.gif}: {len(kept)} frames, {Path(args.gif).stat().st_size // 1024} kB")
 
 
 if __name__ == "__main__":

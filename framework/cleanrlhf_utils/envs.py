@@ -194,8 +194,10 @@ def make_env(
                 env.close()
                 raise
         lower_shadow_quality(env)
-        if camera == "side":
-            use_side_camera(env, env_id)
+        if camera in ("side", "track"):
+            use_side_camera(env, env_id, camera)
+        if camera == "track":
+            env = FollowingCamera(env)
         if ends_episode is not None:
             env = EndsOnState(env, ends_episode)
         env.action_space.seed(seed)
@@ -335,21 +337,23 @@ CAMERAS = {
     "env": "the env's own view (Gymnasium's Hopper: a camera that stays where the Hopper starts, looking down at 20 degrees)",
     "side": "a camera fixed beside the robot's starting place, 3.5 times the root body's height away, looking down 5 "
     "degrees at 0.9 times that height: the floor, heights and turns read at a glance (Gymnasium MuJoCo envs)",
+    "track": "the side camera moved along with the robot's centre of mass: a runner stays in the frame, the floor "
+    "passing by shows its speed (Gymnasium MuJoCo envs)",
 }
 """the views of rendered frames (evaluation videos, filmstrips), by --camera name"""
 
 
-def use_side_camera(env: gym.Env, env_id: str) -> None:
+def use_side_camera(env: gym.Env, env_id: str, camera: str = "side") -> None:
     """Render `env` (just made, no frame rendered yet) from CAMERAS["side"]: a free MuJoCo camera aimed along +y at
     the root body's reference position (+x to the right). It stays put, so a flip's height above the floor and its
-    turn show as they are."""
+    turn show as they are. (`camera`: the name the error gives, "track" where FollowingCamera moves it.)"""
     import mujoco
 
     model, _ = raw_mujoco(env)
     renderer = getattr(env.unwrapped, "mujoco_renderer", None)
     need(
         model is not None and renderer is not None and not hasattr(env.unwrapped, "physics"),
-        f"--camera side: --env-id {env_id} is not a Gymnasium MuJoCo env (it renders from its own cameras only)",
+        f"--camera {camera}: --env-id {env_id} is not a Gymnasium MuJoCo env (it renders from its own cameras only)",
     )
     x, y, z = (float(value) for value in model.body_pos[1])  # the root body, where the model places it
     height = max(z, 0.5)
@@ -361,6 +365,20 @@ def use_side_camera(env: gym.Env, env_id: str) -> None:
         "azimuth": 90.0,
         "elevation": -5.0,
     }
+
+
+class FollowingCamera(gym.Wrapper):
+    """CAMERAS["track"]: the side camera moved along x to the robot's centre of mass before each frame. Set from the
+    state alone (MuJoCo's own tracking camera lags behind, so a frame would depend on the frames rendered before it)."""
+
+    def render(self):
+        _, data = raw_mujoco(self.env)
+        renderer = self.env.unwrapped.mujoco_renderer
+        x = float(data.subtree_com[1, 0])  # the root body's subtree: the whole robot
+        renderer.default_cam_config["lookat"][0] = x  # the camera of the first frame, made when it is rendered
+        if renderer.viewer is not None:
+            renderer.viewer.cam.lookat[0] = x
+        return self.env.render()
 
 
 def lower_shadow_quality(env: gym.Env) -> None:
@@ -608,3 +626,20 @@ def write_mp4(path: str | Path, frames: np.ndarray, fps: float) -> None:
     for frame in frames:
         writer.send(np.ascontiguousarray(frame))
     writer.close()
+
+
+def write_gif(path: str | Path, frames: np.ndarray, frame_ms: float, size: tuple[int, int] | None = None, colors: int = 256) -> None:
+    """A looping GIF of frames [T, H, W, 3], each shown `frame_ms` milliseconds, optionally scaled to `size` (width,
+    height), in one palette of `colors` colours for all frames: what stays put between frames stays the same pixels, so
+    the file stores only what moved (a third to a half of per-frame palettes' size). No dithering, no random numbers:
+    the same frames give the same bytes."""
+    from PIL import Image
+
+    images = [Image.fromarray(frame) for frame in frames]
+    if size is not None:
+        images = [image.resize(size, Image.Resampling.LANCZOS) for image in images]
+    every_frame = Image.fromarray(np.concatenate([np.asarray(image) for image in images]))  # the palette's colours
+    palette = every_frame.quantize(colors, Image.Quantize.MEDIANCUT, dither=Image.Dither.NONE)
+    images = [image.quantize(palette=palette, dither=Image.Dither.NONE) for image in images]
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    images[0].save(path, save_all=True, append_images=images[1:], duration=round(frame_ms), loop=0, optimize=True)
