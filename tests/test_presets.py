@@ -31,8 +31,9 @@ OLD_FLAGS = {
     "--teacher-feedback-num-queries-per-session 100 --teacher-feedback-frequency 10000 --teacher-feedback-schedule exponential "
     "--preference-sampling disagree --segment-length 50 --surf",
     "HalfCheetah-v5.sh": "--env-id HalfCheetah-v5 --total-timesteps 1000000 --total-explore-steps 10000 --teacher-feedback-total-queries 500 "
-    "--teacher-feedback-num-queries-per-session 50 --teacher-feedback-frequency 10000 --teacher-feedback-schedule exponential "
-    "--preference-sampling disagree --segment-length 50 --surf",
+    "--teacher-feedback-num-queries-per-session 50 --teacher-feedback-frequency 9000 --teacher-feedback-schedule exponential "
+    "--preference-sampling disagree --segment-length 50 --surf --reward-net-normalize-inputs --reset-actor-after-exploration "
+    "--learned-reward-std 1",
     "Hopper-v5-demo.sh": "--env-id Hopper-v5 --exp-name demo --total-timesteps 40000 --learning-starts 1000 --total-explore-steps 5000 "
     "--teacher-feedback-total-queries 100 --teacher-feedback-num-queries-per-session 20 --teacher-feedback-frequency 5000 "
     "--evaluation-frequency 5000 --evaluation-episodes 5",
