@@ -44,8 +44,9 @@ OLD_FLAGS = {
     "--teacher-feedback-total-queries 200 --teacher-feedback-num-queries-per-session 20 --teacher-feedback-frequency 5000 "
     "--teacher-feedback-schedule exponential --preference-sampling disagree --segment-length 50 --surf",
     "Walker2d-v5.sh": "--env-id Walker2d-v5 --total-timesteps 1000000 --total-explore-steps 10000 --teacher-feedback-total-queries 500 "
-    "--teacher-feedback-num-queries-per-session 50 --teacher-feedback-frequency 90000 --teacher-feedback-schedule linear "
-    "--preference-sampling disagree --segment-length 50 --surf",
+    "--teacher-feedback-num-queries-per-session 50 --teacher-feedback-frequency 9000 --teacher-feedback-schedule exponential "
+    "--preference-sampling disagree --segment-length 50 --surf --reward-net-normalize-inputs --reset-actor-after-exploration "
+    "--learned-reward-std 1",
     "dm_control/cheetah-run-v0.sh": "--env-id dm_control/cheetah-run-v0 --total-timesteps 500000 --actor-hidden-dim 1024 "
     "--critic-hidden-dim 1024 --batch-size 1024 --policy-lr 0.0005 --q-lr 0.0005 --alpha 0.1 --policy-frequency 1 "
     "--target-network-frequency 2 --total-explore-steps 10000 --teacher-feedback-total-queries 100 "
