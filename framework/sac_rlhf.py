@@ -39,6 +39,7 @@ from cleanrlhf_utils.feedback import (
     FeedbackArgs,
     FeedbackSession,
     LabelLog,
+    check_clips_per_query,
     check_teacher_objective,
     make_teacher,
     record_labels,
@@ -48,6 +49,7 @@ from cleanrlhf_utils.feedback import (
 from cleanrlhf_utils.networks import ensemble_mlp
 from cleanrlhf_utils.objectives import check_objective_settings, episode_end, load_objective
 from cleanrlhf_utils.presets import PresetArgs
+from cleanrlhf_utils.rankings import CLIPS_PER_QUERY_RANGE, clip_pairs, orders, pair_labels
 from cleanrlhf_utils.run import Run, RunArgs
 from cleanrlhf_utils.speed import adam, compiled_steps, kth_nearest_distance
 from cleanrlhf_utils.tracking import AGENT_MEASURES, RecentMeans, log_feedback_session, log_update
@@ -155,6 +157,9 @@ class PreferenceArgs:
     """environment steps between feedback sessions"""
     segment_length: int = 50
     """steps per segment shown to the teacher"""
+    clips_per_query: int = 2
+    """clips in each query: 2 asks which of a pair is better; 3 to 6 ask for a ranking of that many clips, learned with
+    the Plackett-Luce likelihood (the synthetic teacher or --teacher-feedback-mode file; docs/pebble.md)"""
     preference_sampling: Literal["uniform", "disagree", "entropy"] = "disagree"
     """how pairs are chosen from the candidate pool"""
     preference_sampling_pool_factor: int = 10
@@ -430,7 +435,45 @@ class BradleyTerry:
         return F.binary_cross_entropy(probability.clamp(1e-7, 1 - 1e-7), labels, reduction="none")
 
 
-PREFERENCE_MODEL = BradleyTerry()
+class PlackettLuce(BradleyTerry):
+    """Rankings of k clips (returns (..., k)), Plackett-Luce's model: the teacher picks the best clip with probability
+    softmax(R), then the best of the others, and so on: P(order o) = prod_i exp(R_o_i) / sum_{j >= i} exp(R_o_j). A
+    label is the order's index among the k! orders (cleanrlhf_utils.rankings). For k = 2 this is Bradley-Terry
+    (tests/test_rankings.py checks it to float precision), and a pair is answered with Bradley-Terry's own expressions,
+    so that pairs give the same numbers bit for bit. Of a ranking, `probability` gives each pair of its clips', P(clip j
+    > clip i) = sigmoid(R_j - R_i) for i < j (the model's marginal), which query selection and accuracy ask; RIME's
+    `label_losses` is the pairs' only."""
+
+    def probability(self, returns: torch.Tensor) -> torch.Tensor:
+        """P(segment 1 > segment 0) of each pair: (..., 2) -> (...); of each pair of clips: (..., k) -> (..., P), P = k
+        (k - 1) / 2 in cleanrlhf_utils.rankings.clip_pairs order."""
+        if returns.shape[-1] == 2:
+            return super().probability(returns)
+        first, second = (torch.as_tensor(clips, device=returns.device) for clips in clip_pairs(returns.shape[-1]))
+        return torch.sigmoid(returns[..., second] - returns[..., first])
+
+    def order_log_probabilities(self, returns: torch.Tensor) -> torch.Tensor:
+        """log P of each of the k! orders, in label order: (..., k) -> (..., k!)."""
+        ranked = returns[..., torch.as_tensor(orders(returns.shape[-1]), device=returns.device)]  # (..., k!, k)
+        return ranked.sum(-1) - torch.logcumsumexp(ranked.flip(-1), dim=-1).sum(-1)
+
+    def log_probabilities(self, returns: torch.Tensor) -> torch.Tensor:
+        """log P of each label: a pair's two (..., 2) -> (..., 2), as Bradley-Terry; a ranking's k! (..., k!)."""
+        return super().log_probabilities(returns) if returns.shape[-1] == 2 else self.order_log_probabilities(returns)
+
+    def order_loss(self, returns: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The labels' negative log-likelihood, averaged: a label weighs each order by 1 - its distance from the label
+        (all on its own order; a pair's tie, 0.5, half on each of the two)."""
+        indices = torch.arange(math.factorial(returns.shape[-1]), device=returns.device)
+        weights = torch.relu(1 - (labels[..., None] - indices).abs())
+        return -(weights * self.order_log_probabilities(returns)).sum(-1).mean()
+
+    def loss(self, returns: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The labels' negative log-likelihood, averaged over queries (and members): a pair's as Bradley-Terry."""
+        return super().loss(returns, labels) if returns.shape[-1] == 2 else self.order_loss(returns, labels)
+
+
+PREFERENCE_MODEL = PlackettLuce()
 """the preference model every part of preference learning asks (looked up at each call)"""
 
 RELABEL_CHUNK = 1024
@@ -470,9 +513,10 @@ class RewardEnsemble(nn.Module):
 
 
 def preference_probabilities(model: RewardEnsemble, segments, masks, chunk: int = 10) -> torch.Tensor:
-    """P_e(segment 1 > segment 0) for each member: segments (N, 2, L, D), masks (N, 2, L) -> (E, N), in eval mode.
-    Scored `chunk` pairs at a time: a query pool in one pass held over 1 GB of activations at 1000 pairs, and about
-    1000 rows a pass is also the fastest (bench/relabel.py)."""
+    """P_e(segment 1 > segment 0) for each member: segments (N, 2, L, D), masks (N, 2, L) -> (E, N), in eval mode (of
+    k clips, (N, k, L, D): each pair of them, (E, N, P), PREFERENCE_MODEL.probability). Scored `chunk` queries at a
+    time: a query pool in one pass held over 1 GB of activations at 1000 pairs, and about 1000 rows a pass is also the
+    fastest (bench/relabel.py)."""
     was_training = model.training
     model.eval()
     with torch.no_grad():
@@ -483,14 +527,18 @@ def preference_probabilities(model: RewardEnsemble, segments, masks, chunk: int 
 
 
 def disagreement_scores(probabilities: torch.Tensor) -> torch.Tensor:
-    """Std across members of P(segment 1 > segment 0): (E, N) -> (N,)."""
-    return probabilities.std(0, unbiased=False)
+    """Std across members of P(segment 1 > segment 0): (E, N) -> (N,); of k clips, its mean over their pairs: (E, N,
+    P) -> (N,)."""
+    spread = probabilities.std(0, unbiased=False)
+    return spread if spread.ndim == 1 else spread.mean(-1)
 
 
 def entropy_scores(probabilities: torch.Tensor) -> torch.Tensor:
-    """Entropy of the ensemble-mean two-way preference: highest for pairs at the decision boundary."""
+    """Entropy of the ensemble-mean two-way preference: highest for pairs at the decision boundary (of k clips, its
+    mean over their pairs)."""
     p = probabilities.mean(0).clamp(1e-7, 1 - 1e-7)
-    return -(p * p.log() + (1 - p) * (1 - p).log())
+    entropy = -(p * p.log() + (1 - p) * (1 - p).log())
+    return entropy if entropy.ndim == 1 else entropy.mean(-1)
 
 
 def predict_rewards(model: RewardEnsemble, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -518,16 +566,17 @@ def relabel_replay_buffer(model: RewardEnsemble, rb: ReplayBuffer, device: torch
 
 
 class PreferenceBuffer:
-    """The labelled segments themselves (never indices into the replay buffer, which moves on)."""
+    """The labelled segments themselves (never indices into the replay buffer, which moves on): `clips` per query, 2 a
+    pair; a ranking's label is its order's index (cleanrlhf_utils.rankings)."""
 
     FIELDS = ("obs_actions", "masks", "true_rewards", "physics_states", "labels", "heldout", "global_steps")
 
-    def __init__(self, segment_length: int, input_dim: int, state_dim: int):
-        self.obs_actions = np.zeros((0, 2, segment_length, input_dim), dtype=np.float32)
-        self.masks = np.zeros((0, 2, segment_length), dtype=bool)
-        self.true_rewards = np.zeros((0, 2, segment_length), dtype=np.float32)
-        self.physics_states = np.zeros((0, 2, segment_length, state_dim), dtype=np.float64)
-        self.labels = np.zeros(0, dtype=np.float32)  # 1 = segment 1 preferred, 0.5 = tie
+    def __init__(self, segment_length: int, input_dim: int, state_dim: int, clips: int = 2):
+        self.obs_actions = np.zeros((0, clips, segment_length, input_dim), dtype=np.float32)
+        self.masks = np.zeros((0, clips, segment_length), dtype=bool)
+        self.true_rewards = np.zeros((0, clips, segment_length), dtype=np.float32)
+        self.physics_states = np.zeros((0, clips, segment_length, state_dim), dtype=np.float64)
+        self.labels = np.zeros(0, dtype=np.float32)  # 1 = segment 1 preferred, 0.5 = tie; a ranking: its order
         self.heldout = np.zeros(0, dtype=bool)  # validation split, never trained on
         self.global_steps = np.zeros(0, dtype=np.int64)  # when the label was obtained
 
@@ -539,6 +588,10 @@ class PreferenceBuffer:
         values = (obs_actions, masks, true_rewards, physics_states, labels, heldout, steps)
         for name, value in zip(self.FIELDS, values, strict=True):
             setattr(self, name, np.concatenate([getattr(self, name), value.astype(getattr(self, name).dtype)]))
+
+    @property
+    def clips(self) -> int:
+        return self.masks.shape[1]
 
     def split(self, heldout: bool) -> np.ndarray:
         return np.flatnonzero(self.heldout == heldout)
@@ -552,27 +605,28 @@ class PreferenceBuffer:
 
 
 def preference_accuracy(model: RewardEnsemble, prefs: PreferenceBuffer, indices, device, chunk: int = 256) -> float:
-    """Agreement of the ensemble-mean preference with the non-tie labels at `indices`."""
+    """Agreement of the ensemble-mean preference with the non-tie labels at `indices` (of rankings: with every pair of
+    their clips, cleanrlhf_utils.rankings.pair_labels)."""
     indices = indices[prefs.labels[indices] != 0.5]
     if len(indices) == 0:
         return float("nan")
-    correct = 0
+    correct, pairs_per_query = 0, prefs.clips * (prefs.clips - 1) // 2
     for start in range(0, len(indices), chunk):
         batch = indices[start : start + chunk]
         segs = torch.as_tensor(prefs.obs_actions[batch], device=device)
         masks = torch.as_tensor(prefs.masks[batch], device=device, dtype=torch.float32)
         probs = preference_probabilities(model, segs, masks).mean(0).cpu().numpy()
-        correct += int(((probs > 0.5) == (prefs.labels[batch] > 0.5)).sum())
-    return correct / len(indices)
+        correct += int(((probs > 0.5) == (pair_labels(prefs.labels[batch], prefs.clips) > 0.5)).sum())
+    return correct / (len(indices) * pairs_per_query)
 
 
 # --- Query selection: uniform, disagreement, entropy ---
-def select_queries(strategy: str, model, rb, num_queries: int, length: int, pool_factor: int, rng, device, recent=0):
-    """Indices (num_queries, 2, L) and masks of the pairs to ask about: `num_queries` of a pool `pool_factor` times as
-    large with the highest disagreement or entropy (or simply drawn, `uniform`); from the last `recent` episodes only
-    when it is set (QPA)."""
+def select_queries(strategy, model, rb, num_queries: int, length: int, pool_factor, rng, device, recent=0, clips=2):
+    """Indices (num_queries, clips, L) and masks of the queries to ask about, pairs or sets of `clips` clips to rank:
+    `num_queries` of a pool `pool_factor` times as large with the highest disagreement or entropy (of a set: the mean
+    over its pairs of clips), or simply drawn (`uniform`); from the last `recent` episodes only when it is set (QPA)."""
     pool = num_queries if strategy == "uniform" else num_queries * pool_factor
-    idx, mask = rb.sample_segment_pairs(pool, length, rng, recent)
+    idx, mask = rb.sample_segment_sets(pool, clips, length, rng, recent)
     if strategy == "uniform":
         return idx, mask
     segments = torch.as_tensor(rb.obs_actions(idx), device=device)
@@ -583,11 +637,13 @@ def select_queries(strategy: str, model, rb, num_queries: int, length: int, pool
 
 
 def session_pairs(number: int, schedule: list[int], model: RewardEnsemble, rb: ReplayBuffer, args, rng, device) -> dict:
-    """Feedback session `number`'s pairs (rb.gather_segments), chosen by the reward model as it stands. The first
-    session samples uniformly: an untrained ensemble's disagreement carries no information."""
+    """Feedback session `number`'s queries (rb.gather_segments), pairs or --clips-per-query clips, chosen by the reward
+    model as it stands. The first session samples uniformly: an untrained ensemble's disagreement carries no
+    information."""
     strategy = "uniform" if number == 1 else args.preference_sampling
     pool = (args.segment_length, args.preference_sampling_pool_factor)
-    idx, mask = select_queries(strategy, model, rb, schedule[number - 1], *pool, rng, device, args.qpa_query_episodes)
+    recent, clips = args.qpa_query_episodes, args.clips_per_query
+    idx, mask = select_queries(strategy, model, rb, schedule[number - 1], *pool, rng, device, recent, clips)
     return rb.gather_segments(idx, mask)
 
 
@@ -670,7 +726,7 @@ def reward_epoch(model: RewardEnsemble, optimizer, pairs: tuple, active, rb, arg
         elif cropped.any():  # only QPA's copies: mask them, their batch mixes with whole segments
             _, crops = crop_segments(segments, masks, *offsets, cut_out=False)
             masks = torch.where(cropped[..., None, None].to(device), crops, masks)
-        returns = (model.forward_members(segments) * masks).sum(-1)  # (E, b, 2)
+        returns = (model.forward_members(segments) * masks).sum(-1)  # (E, b, clips)
         loss = loss_fn(returns, labels) * ensemble  # summed over members
         if args.surf and args.unlabeled_batch_ratio > 0:
             ssl_loss, confident = surf_loss(model, rb, batch.shape[1] * args.unlabeled_batch_ratio, args, rng, device)
@@ -750,6 +806,7 @@ PREFERENCE_RANGES = {
     "teacher_feedback_exponential_decay": "in (0, 1]",
     "teacher_feedback_frequency": ">= 1",
     "segment_length": ">= 2",
+    "clips_per_query": CLIPS_PER_QUERY_RANGE,
     "preference_sampling_pool_factor": ">= 1",
     "unlabeled_batch_ratio": ">= 0",
     "surf_tau": "in (0.5, 1)",
@@ -777,6 +834,7 @@ def validate_preference_args(args) -> None:
     )
     check_objective_settings(args)  # the env it is for, and the settings it needs
     validate_feedback_args(args)
+    check_clips_per_query(args)
     validate_checkpoint_args(args)
 
 
@@ -943,7 +1001,7 @@ def main(args: Args, on_evaluation=None, reward_training: Callable | None = None
         reward_model = RewardEnsemble(obs_dim + action_dim, *reward_net).to(device)
         reward_optimizer = torch.optim.Adam(reward_model.parameters(), lr=args.reward_net_lr, fused=True)
         rb = ReplayBuffer(min(args.buffer_size, args.total_timesteps), obs_dim, action_dim, state_dim)
-        prefs = PreferenceBuffer(args.segment_length, obs_dim + action_dim, state_dim)
+        prefs = PreferenceBuffer(args.segment_length, obs_dim + action_dim, state_dim, args.clips_per_query)
         intrinsic_rms, pending, recent = RunningMoments(), PendingRewards(), RecentMeans(AGENT_MEASURES)
         teacher = cleanup.enter_context(contextlib.closing(make_teacher(args, rb, run.name, run.dir, run.video_dir)))
         label_log = cleanup.enter_context(contextlib.closing(LabelLog(run.dir / "labels.sqlite")))

@@ -21,7 +21,7 @@ import torch
 
 import sac_rlhf
 from cleanrlhf_utils.cli import cli
-from cleanrlhf_utils.errors import check_ranges
+from cleanrlhf_utils.errors import check_ranges, need
 
 
 @dataclass
@@ -50,14 +50,21 @@ def mistake_aware_loss(returns: torch.Tensor, labels: torch.Tensor, epsilon: flo
     return -(labels * log_second + (1 - labels) * log_first).mean()
 
 
+def validate_mistake_args(args: Args) -> None:
+    """The mistake rate, and pairs: a flip is the other of a pair's two labels."""
+    check_ranges(args, {"label_mistake_rate": "in [0, 0.5)"})
+    clips = args.clips_per_query
+    need(clips == 2, f"the mistake-aware loss flips a pair's label: --clips-per-query must be 2, got {clips}")
+
+
 def validate_args(args: Args) -> None:
     """PEBBLE's settings and the mistake rate (what a sweep checks before its trials)."""
-    check_ranges(args, {"label_mistake_rate": "in [0, 0.5)"})
+    validate_mistake_args(args)
     sac_rlhf.validate_args(args)
 
 
 def main(args: Args, on_evaluation=None) -> dict:
-    check_ranges(args, {"label_mistake_rate": "in [0, 0.5)"})
+    validate_mistake_args(args)
     loss = functools.partial(mistake_aware_loss, epsilon=args.label_mistake_rate)
     training = functools.partial(sac_rlhf.train_reward_model, loss_fn=loss)
     return sac_rlhf.main(args, on_evaluation, reward_training=training)

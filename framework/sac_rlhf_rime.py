@@ -69,10 +69,17 @@ def validate_rime_args(args: RimeArgs) -> None:
     )
 
 
+def need_pairs(args: Args) -> None:
+    """RIME flips a label it distrusts: the other of a pair's two."""
+    clips = args.clips_per_query
+    need(clips == 2, f"RIME splits and flips pairs' labels: --clips-per-query must be 2, got {clips}")
+
+
 def validate_args(args: Args) -> None:
     """PEBBLE's settings and RIME's (what a sweep checks before its trials)."""
     sac_rlhf.validate_args(args)
     validate_rime_args(args)
+    need_pairs(args)
 
 
 def teacher_mistakes(prefs: PreferenceBuffer, indices: np.ndarray, objective, obs_dim: int) -> np.ndarray:
@@ -198,6 +205,7 @@ class RimeTraining:
 
 def main(args: Args, on_evaluation=None) -> dict:
     validate_rime_args(args)
+    need_pairs(args)
     return sac_rlhf.main(args, on_evaluation, reward_training=RimeTraining(args))
 
 

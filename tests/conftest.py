@@ -67,6 +67,7 @@ SLOW = {
     "test_newcomer.py::test_pref_ppo_wall_seconds_after_resume_count_the_whole_run": "a run, interrupted and resumed",
     "test_newcomer.py::test_the_script_applies_human_defaults_from_its_command_line": "a human-mode run",
     "test_custom_env.py::test_zero_reward_windmill_learns_its_direction_from_labels_alone": "PEBBLE learns the windmill",
+    "test_rankings.py::test_a_run_learns_from_rankings_and_logs_them_for_file_mode": "a run of each script, and its replay",
     "test_custom_env.py::test_sac_rlhf_trains_on_the_windmill_with_an_objective": "a PEBBLE run",
     "test_custom_env.py::test_sac_baseline_trains_on_the_objective_as_its_reward": "a SAC run",
     "test_custom_env.py::test_baseline_ppo_runs_a_module_env_id": "a PPO run",

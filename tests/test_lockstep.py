@@ -22,6 +22,7 @@ LOCKSTEP = [
     "PreferenceArgs",
     "validate_preference_args",
     "BradleyTerry",
+    "PlackettLuce",
     "RewardEnsemble",
     "preference_probabilities",
     "disagreement_scores",

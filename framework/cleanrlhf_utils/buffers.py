@@ -109,8 +109,14 @@ class ReplayBuffer:
     def sample_segment_pairs(
         self, num_pairs: int, length: int, rng: np.random.Generator, recent_episodes: int = 0, whole: bool = True
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Indices (num_pairs, 2, length) of two distinct random segments, with their masks; with recent_episodes, the
-        segments start in the most recent episodes only (QPA's policy-aligned queries).
+        """Indices (num_pairs, 2, length) of two distinct random segments, with their masks (sample_segment_sets)."""
+        return self.sample_segment_sets(num_pairs, 2, length, rng, recent_episodes, whole)
+
+    def sample_segment_sets(
+        self, count: int, clips: int, length: int, rng: np.random.Generator, recent_episodes: int = 0, whole: bool = True
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Indices (count, clips, length) of `clips` distinct random segments each, with their masks; with
+        recent_episodes, the segments start in the most recent episodes only (QPA's policy-aligned queries).
 
         With `whole`, a segment is drawn again (up to WHOLE_SEGMENT_DRAWS times, uniformly among the good starts) when
         it would be cut by anything but a termination: a time limit or the newest transition says nothing about the
@@ -118,17 +124,22 @@ class ReplayBuffer:
         random data, 9 % of all pairs), so its label would teach length. A termination inside the segment is kept: it
         is an outcome (the hopper fell). Segments of episodes shorter than `length` stay cut after the last draw."""
         slots = self.recent_episode_slots(recent_episodes) if recent_episodes else np.arange(self.size)
-        starts = slots[rng.integers(0, len(slots), size=(num_pairs, 2))]
+        starts = slots[rng.integers(0, len(slots), size=(count, clips))]
         for _ in range(self.WHOLE_SEGMENT_DRAWS if whole else 0):
             redraw = ~self.whole_segments(starts, length)
-            redraw[:, 1] |= starts[:, 0] == starts[:, 1]
+            redraw |= np.tril(starts[:, :, None] == starts[:, None, :], -1).any(-1)  # a start an earlier clip has
             if not redraw.any():
                 break
             starts[redraw] = slots[rng.integers(0, len(slots), size=int(redraw.sum()))]
-        clash = starts[:, 0] == starts[:, 1]
-        if clash.any():  # distinct segments, whatever the draws gave (a buffer of one slot aside)
-            picks = np.searchsorted(slots, starts[clash, 1])
-            starts[clash, 1] = slots[(picks + 1 + rng.integers(0, max(len(slots) - 1, 1), size=clash.sum())) % len(slots)]
+        for clip in range(1, clips):  # distinct segments, whatever the draws gave (a buffer of too few slots aside)
+            clash = (starts[:, clip, None] == starts[:, :clip]).any(-1)
+            while clash.any():
+                picks = np.searchsorted(slots, starts[clash, clip])
+                moved = (picks + 1 + rng.integers(0, max(len(slots) - 1, 1), size=clash.sum())) % len(slots)
+                starts[clash, clip] = slots[moved]
+                if len(slots) <= clip:  # no slot left that differs from every earlier clip's
+                    break
+                clash = (starts[:, clip, None] == starts[:, :clip]).any(-1)
         return self.segment_indices(starts, length)
 
     WHOLE_SEGMENT_DRAWS = 10

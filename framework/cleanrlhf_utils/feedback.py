@@ -5,13 +5,16 @@ file mode reads back.
 
 Every teacher answers `label(segments, session) -> (labels, annotators)`: `segments` holds the pairs' arrays
 (obs_actions, masks, true_rewards, physics_states: (N, 2, L, ...)) and their replay-buffer start indices
-(segment_ids: (N, 2)); labels (N,) are 1 = segment 1 preferred, 0 = segment 0, 0.5 = tie, nan = skipped."""
+(segment_ids: (N, 2)); labels (N,) are 1 = segment 1 preferred, 0 = segment 0, 0.5 = tie, nan = skipped. Queries of
+k > 2 clips (--clips-per-query) have arrays (N, k, ...) and rankings for labels, each its order's index
+(cleanrlhf_utils.rankings): the synthetic teacher and a file give them."""
 
 import contextlib
 import copy
 import functools
 import hmac
 import json
+import math
 import os
 import queue
 import secrets
@@ -27,8 +30,9 @@ import numpy as np
 from . import protocol
 from .checkpoints import training_state
 from .envs import SegmentRenderer, check_can_render, get_physics_state, make_env, segment_frames, write_mp4
-from .errors import check_ranges, need
+from .errors import ConfigError, check_ranges, need
 from .objectives import check_objective, load_objective, segment_rewards
+from .rankings import order_labels
 from .stopping import stoppable_at_once
 
 
@@ -132,6 +136,39 @@ def validate_feedback_args(args: FeedbackArgs) -> None:
     need(
         args.feedback_server_url.startswith(("http://", "https://")),
         f"--feedback-server-url {args.feedback_server_url} must start with http:// or https://",
+    )
+
+
+def label_file_clips(path: str | Path) -> int | None:
+    """How many clips each label of a labels.sqlite orders (2: pairs), from its first row; None when it holds none."""
+    import sqlite3
+
+    db = sqlite3.connect(f"file:{Path(path).resolve()}?mode=ro", uri=True)
+    try:
+        row = db.execute("SELECT shapes FROM labels ORDER BY id LIMIT 1").fetchone()
+    except sqlite3.DatabaseError as error:
+        raise ConfigError(f"--feedback-file {path} is not a run's labels.sqlite ({error})") from None
+    finally:
+        db.close()
+    return None if row is None else int(json.loads(row[0])["masks"][0][0])
+
+
+def check_clips_per_query(args) -> None:
+    """Rankings (--clips-per-query k > 2) come from the synthetic teacher or a file of rankings of k clips: the feedback
+    page asks pairs, and a ranking of more than two clips has no ties (--teacher-eps-equal is a pair's)."""
+    clips, mode = args.clips_per_query, args.teacher_feedback_mode
+    if mode == "file":
+        stored = label_file_clips(args.feedback_file)
+        need(
+            stored in (None, clips),
+            f"--feedback-file {args.feedback_file} holds labels of {stored} clips each; give --clips-per-query {stored}",
+        )
+    if clips == 2:
+        return
+    need(mode != "human", f"--clips-per-query {clips}: the feedback page asks people about pairs; use 2 with --teacher-feedback-mode human")
+    need(
+        args.teacher_eps_equal == 0,
+        f"--teacher-eps-equal {args.teacher_eps_equal} calls ties, and a ranking of {clips} clips is strict: use it with --clips-per-query 2",
     )
 
 
@@ -757,7 +794,7 @@ class FileTeacher(Teacher):
         start, stop = self.position, min(self.position + len(segments["segment_ids"]), len(self.labels))
         self.position = stop
         segments.update({name: values[start:stop] for name, values in self.segments.items()})
-        segments["segment_ids"] = np.full((stop - start, 2), -1)  # not from this run's replay buffer
+        segments["segment_ids"] = np.full((stop - start, segments["segment_ids"].shape[1]), -1)  # not this run's
         return self.labels[start:stop], ["file"] * (stop - start)
 
     def state_dict(self) -> dict:
@@ -1292,7 +1329,9 @@ class SyntheticTeacher(Teacher):
 
     def label_true_rewards(self, true_rewards: np.ndarray) -> np.ndarray:
         """true_rewards (N, 2, L), zero on masked steps -> labels (N,): 1 = segment 1 preferred, 0 = segment 0,
-        0.5 = tie, nan = skipped."""
+        0.5 = tie, nan = skipped. Of k > 2 clips, (N, k, L): rankings (rank_true_rewards)."""
+        if true_rewards.shape[1] > 2:
+            return self.rank_true_rewards(true_rewards)
         returns = true_rewards.sum(-1)
         weights = self.gamma ** np.arange(true_rewards.shape[-1] - 1, -1, -1)  # myopia: the last step weighs most
         discounted = (true_rewards * weights).sum(-1)
@@ -1306,6 +1345,28 @@ class SyntheticTeacher(Teacher):
         labels[flip] = 1.0 - labels[flip]
         if self.eps_equal > 0:
             labels[np.abs(returns[:, 1] - returns[:, 0]) < self.threshold_equal] = 0.5
+        if self.eps_skip > 0:
+            labels[returns.max(1) < self.threshold_skip] = np.nan
+        return labels
+
+    def rank_true_rewards(self, true_rewards: np.ndarray) -> np.ndarray:
+        """true_rewards (N, k, L), zero on masked steps -> rankings (N,), each its order's index
+        (cleanrlhf_utils.rankings), nan = skipped; B-Pref's noise as for pairs, of which it is the k-clip form: myopia
+        weighs step t by gamma^(L-1-t); a rational teacher (beta >= 0) draws the ranking from Plackett-Luce at
+        temperature beta (sorting beta R plus Gumbel noise), a perfect one sorts by R (equal returns in random order);
+        a mistake replaces the ranking by one of the others, drawn uniformly (a pair's flip); a query whose returns all
+        lie below the skip threshold is skipped. A ranking has no ties (check_clips_per_query refuses eps_equal)."""
+        returns = true_rewards.sum(-1)
+        weights = self.gamma ** np.arange(true_rewards.shape[-1] - 1, -1, -1)  # myopia: the last step weighs most
+        discounted = (true_rewards * weights).sum(-1)
+        if self.beta >= 0:
+            ranked = np.argsort(-(self.beta * discounted + self.rng.gumbel(size=discounted.shape)), axis=-1)
+        else:
+            ranked = np.lexsort((self.rng.random(discounted.shape), -discounted), axis=-1)
+        labels = order_labels(ranked).astype(np.float32)
+        flip = self.rng.random(len(labels)) < self.eps_mistake
+        others = math.factorial(true_rewards.shape[1]) - 1
+        labels[flip] = (labels[flip] + self.rng.integers(1, others + 1, size=int(flip.sum()))) % (others + 1)
         if self.eps_skip > 0:
             labels[returns.max(1) < self.threshold_skip] = np.nan
         return labels
