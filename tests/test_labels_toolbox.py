@@ -168,3 +168,21 @@ def test_imitation_export_says_what_it_needs_when_imitation_is_missing(stores):
     with pytest.raises(SystemExit) as exit_info:
         labels_tool.main(["export", str(stores["ann"]), "--format", "imitation", "--out", str(stores["tmp"] / "p.pkl"), "--obs-dim", "3"])
     assert exit_info.value.code == 2 and not (stores["tmp"] / "p.pkl").exists()
+
+
+def test_a_label_log_of_rankings_is_refused_in_one_line_not_misread_as_pairs(tmp_path):
+    """A run with --clips-per-query 3 stores each ranking as one order index over 3 clips: listing or exporting it as
+    pairs would count its labels as left/right or crash on them."""
+    rng = np.random.default_rng(0)
+    segments = {
+        "obs_actions": rng.normal(size=(2, 3, L, OBS + ACT)).astype(np.float32),
+        "masks": np.ones((2, 3, L), dtype=bool),
+        "true_rewards": rng.normal(size=(2, 3, L)).astype(np.float32),
+        "physics_states": rng.normal(size=(2, 3, L, STATE)),
+    }
+    store = log(tmp_path / "runs" / "ranked" / "labels.sqlite", segments, [4.0, 1.0], "ann")
+    for argv in (["list", str(store)], ["export", str(store), "--format", "npz", "--out", str(tmp_path / "x.npz")]):
+        proc = subprocess.run([sys.executable, str(ROOT / "toolbox" / "labels.py"), *argv], capture_output=True, text=True, timeout=60)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1 and "its labels rank 3 clips" in lines[0] and str(store) in lines[0], proc.stderr
+    assert not (tmp_path / "x.npz").exists()

@@ -118,6 +118,9 @@ def read_label_log(db: sqlite3.Connection, source: str) -> list[Label]:
     for step, session, label, annotator, *blobs, shapes in rows:
         shapes = json.loads(shapes)
         arrays = {name: np.frombuffer(blob, dtype=shapes[name][1]).reshape(shapes[name][0]) for name, blob in zip(ARRAYS, blobs)}
+        clips = arrays["masks"].shape[0]
+        if clips != 2:  # a ranking (--clips-per-query k): its label is an order's index, not a choice between two
+            raise LabelsError(f"{source}: its labels rank {clips} clips; labels.py reads pairs (runs with --clips-per-query 2)")
         hashes = tuple(segment_hash(arrays["obs_actions"][k], arrays["masks"][k]) for k in range(2))
         labels.append(Label(source, annotator or "", float(label), session, int(step or 0), hashes, arrays))
     return labels
