@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # PEBBLE on Walker2d-v5 from 500 synthetic labels, as docs/benchmarks/findings/gym-mujoco.md measured it at 100k
-# steps (bench/feedback_efficiency.py --variant norm-reset-std1; 1.33 and 1.09 x SAC on seeds 1 and 2): HalfCheetah's
+# steps (bench/feedback_efficiency.py --variant norm-reset-std1; median 1.09 x SAC over 3 seeds): HalfCheetah's
 # setting, Hopper's structure (10k exploration steps, exponential schedule, disagreement sampling, SURF, 50-step
 # segments, CleanRL's SAC) with ten sessions of 50 labels every 9k steps from 10k, the reward model's inputs
 # standardised, SAC's actor started afresh when exploration ends, and the learned reward rescaled for SAC to a
