@@ -908,7 +908,10 @@ def reset_after_session(agent: SACAgent, loop: LoopState, labels: int, args: Arg
     """PEBBLE resets the critic when the first labels end exploration: its values were of the intrinsic reward (with
     --reset-actor-after-exploration the actor and temperature too)."""
     if labels > 0 and not loop.learning_from_preferences:
-        start_afresh(agent) if args.reset_actor_after_exploration else agent.reset_critic()
+        if args.reset_actor_after_exploration:
+            start_afresh(agent)
+        else:
+            agent.reset_critic()
         loop.learning_from_preferences = True
 
 
