@@ -1,4 +1,4 @@
-"""Human feedback server: people compare two clips of an agent and choose left / right / tie / skip.
+"""Human feedback server: people compare two clips of an agent (left / right / tie / skip) or rank several, best first.
 
 Run:  python humanFeedback/feedback_server.py --port 5001 --data-dir ./feedback_data [--token SECRET] [--threads 8]
       (or FEEDBACK_SERVER_TOKEN=SECRET in the environment instead of --token, to keep it out of ps; with neither, the
@@ -37,7 +37,9 @@ Routes, in four blueprints (errors are 4xx with ``{"error": "..."}`` and change 
          GET  /api/runs                          all runs, without their meta
          GET  /api/runs/<run_id>                 trainer: one run, with its meta
          POST /api/runs                          trainer: {name, env_id?, meta? (<= 64 KiB)} -> 201 {run_id} (200 if it exists)
-         POST /api/runs/<run_id>/queries         trainer: multipart: 'queries' JSON list + clip files -> 201 {query_ids}
+         POST /api/runs/<run_id>/queries         trainer: multipart: 'queries' JSON list + clip files -> 201 {query_ids}; an
+                                                 entry is a pair {left_clip, right_clip, left_segment_id, right_segment_id,
+                                                 session} or a ranking of 3 to 6 clips {clips, segment_ids, session}
          GET  /api/runs/<run_id>/answers?after=  trainer: {answers, cursor} (see below)
          GET  /api/runs/<run_id>/status          trainer: {queries, labelled, pending, choices}
          POST /api/runs/<run_id>/progress        trainer: its news {step, phase, total_steps?, sessions_done?, sessions_total?,
@@ -53,7 +55,9 @@ Routes, in four blueprints (errors are 4xx with ``{"error": "..."}`` and change 
          GET  /api/next?annotator=&run_id=&exclude=   lease the oldest free query (with its run's instructions and
                                                  its session's progress), or {waiting: true, training?: [reports]};
                                                  429 when the asker holds MAX_LEASES_PER_ANNOTATOR pairs already
-         POST /api/queries/<query_id>/label      {choice, annotator} -> 201 new / 200 same or edited / 409 (labelled or
+         POST /api/queries/<query_id>/label      {choice, annotator} (a ranking: {ranking: [clip positions, best first],
+                                                 annotator}, or the choice skip; answers carry choice "ranked" and ranking)
+                                                 -> 201 new / 200 same or edited / 409 (labelled or
                                                  leased by someone else, or a browser's pair not leased to it)
          POST /api/queries/<query_id>/undo       {annotator, release?} -> the asker's answer undone, the query pending again
                                                  and leased to the asker within the cap after giving up `release` (429
@@ -100,9 +104,11 @@ from cleanrlhf_utils.protocol import (
     MAX_META_BYTES,
     MAX_TEXT,
     PHASES,
+    RANKED,
     TOKEN_ENV,
     TOKEN_HEADER,
 )
+from cleanrlhf_utils.rankings import MAX_CLIPS, order_problem
 from humanFeedback import access, serving
 from humanFeedback.access import MAX_JSON_BYTES, UPLOAD_ENDPOINTS, Access
 
@@ -146,7 +152,46 @@ MIGRATIONS = (
     ("evaluations", "kind", "TEXT NOT NULL DEFAULT 'check' CHECK (kind IN ('check', 'agent'))", None),
     ("queries", "lease_holder", "TEXT", "UPDATE queries SET lease_holder = 'token:' || lease_annotator WHERE lease_annotator IS NOT NULL"),
     ("labels", "holder", "TEXT", "UPDATE labels SET holder = 'token:' || annotator"),
+    ("labels", "ranking", "TEXT", None),
+    ("label_tombstones", "ranking", "TEXT", None),
 )
+# Tables whose choice CHECK an older schema wrote without 'ranked' (SQLite cannot change a CHECK in place).
+RANKED_TABLES = ("labels", "label_tombstones")
+
+
+def schema_statements() -> list[str]:
+    """schema.sql's statements one by one (executescript would commit the transaction they run in)."""
+    statements, pending = [], ""
+    for line in SCHEMA_PATH.read_text().splitlines(keepends=True):
+        pending += line
+        if sqlite3.complete_statement(pending):
+            statements.append(pending)
+            pending = ""
+    return statements
+
+
+def accept_rankings(con: sqlite3.Connection) -> None:
+    """A database made before rankings: its labels and tombstones move, rows unchanged, into tables of schema.sql
+    (whose CHECK allows 'ranked'), in one transaction."""
+    sql = {name: text for name, text in con.execute("SELECT name, sql FROM sqlite_master WHERE type = 'table'")}
+    old = [table for table in RANKED_TABLES if f"'{RANKED}'" not in sql[table]]
+    if not old:
+        return
+    con.execute("BEGIN IMMEDIATE")
+    try:
+        con.execute("DROP INDEX IF EXISTS tombstones_query")  # made again by the schema, on the new table
+        for table in old:
+            con.execute(f"ALTER TABLE {table} RENAME TO before_rankings_{table}")
+        for statement in schema_statements():
+            con.execute(statement)
+        for table in old:
+            columns = ", ".join(row[1] for row in con.execute(f"PRAGMA table_info(before_rankings_{table})"))
+            con.execute(f"INSERT INTO {table} ({columns}) SELECT {columns} FROM before_rankings_{table}")
+            con.execute(f"DROP TABLE before_rankings_{table}")
+    except BaseException:
+        con.execute("ROLLBACK")
+        raise
+    con.execute("COMMIT")
 
 
 class Store:
@@ -166,6 +211,7 @@ class Store:
                     con.execute(f"ALTER TABLE {table} ADD COLUMN {column} {declaration}")
                     if fill is not None:
                         con.execute(fill)
+            accept_rankings(con)
             self.remove_orphan_clips(con)
         finally:
             con.close()
@@ -185,7 +231,8 @@ class Store:
                 row[0]
                 for row in con.execute(
                     "SELECT left_clip FROM queries WHERE run_id = :run UNION SELECT right_clip FROM queries WHERE run_id = :run "
-                    "UNION SELECT clip FROM evaluations WHERE run_id = :run",
+                    "UNION SELECT clip FROM evaluations WHERE run_id = :run "
+                    "UNION SELECT c.clip FROM query_clips c JOIN queries q ON q.id = c.query_id WHERE q.run_id = :run",
                     {"run": run_id},
                 )
             }
@@ -492,8 +539,9 @@ def clip_is_referenced(con: sqlite3.Connection, run_id: int, name: str) -> bool:
     return (
         con.execute(
             "SELECT 1 FROM queries WHERE run_id = ? AND (left_clip = ? OR right_clip = ?) "
-            "UNION ALL SELECT 1 FROM evaluations WHERE run_id = ? AND clip = ? LIMIT 1",
-            (run_id, name, name, run_id, name),
+            "UNION ALL SELECT 1 FROM evaluations WHERE run_id = ? AND clip = ? "
+            "UNION ALL SELECT 1 FROM query_clips c JOIN queries q ON q.id = c.query_id WHERE q.run_id = ? AND c.clip = ? LIMIT 1",
+            (run_id, name, name, run_id, name, run_id, name),
         ).fetchone()
         is not None
     )
@@ -543,8 +591,32 @@ def store_batch(run_id: int, field: str, check_entry, find_entry, insert_entry) 
     return ids
 
 
+PAIR_KEYS = ("left_clip", "right_clip", "left_segment_id", "right_segment_id", "session")
+RANKING_KEYS = ("clips", "segment_ids", "session")
+
+
+def check_ranking_entry(i: int, item) -> tuple[tuple, tuple]:
+    """A query of 3 to MAX_CLIPS clips to rank: its clip names and segment ids, in the order shown."""
+    check_item_keys(item, i, "queries", RANKING_KEYS)
+    names, segments = item["clips"], item["segment_ids"]
+    if not (isinstance(names, list) and 3 <= len(names) <= MAX_CLIPS):
+        raise ApiError(400, f"queries[{i}].clips must be a list of 3 to {MAX_CLIPS} clip names (a pair sends left_clip and right_clip).")
+    if not (isinstance(segments, list) and len(segments) == len(names)):
+        raise ApiError(400, f"queries[{i}].segment_ids must be a list of one segment id per clip ({len(names)}).")
+    names = tuple(check_clip_name(name, f"queries[{i}].clips[{k}]") for k, name in enumerate(names))
+    if len(set(names)) < len(names):
+        raise ApiError(400, f"queries[{i}].clips names a clip twice; a ranking's clips must differ.")
+    return names, tuple(id_value(segment, f"queries[{i}].segment_ids[{k}]") for k, segment in enumerate(segments))
+
+
 def check_query_entry(i: int, item, clips_named: set[str]) -> tuple:
-    check_item_keys(item, i, "queries", ("left_clip", "right_clip", "left_segment_id", "right_segment_id", "session"))
+    """A pair (left_clip, right_clip and their segment ids) or a ranking (clips and segment_ids): the row to store, the
+    first two clips in the left and right columns, and a ranking's clips and segment ids (None for a pair)."""
+    if isinstance(item, dict) and "clips" in item:
+        names, segments = check_ranking_entry(i, item)
+        clips_named.update(names)
+        return (id_value(item["session"], f"queries[{i}].session"), *names[:2], *segments[:2], names, segments)
+    check_item_keys(item, i, "queries", PAIR_KEYS)
     left = check_clip_name(item["left_clip"], f"queries[{i}].left_clip")
     right = check_clip_name(item["right_clip"], f"queries[{i}].right_clip")
     if left == right:
@@ -555,33 +627,50 @@ def check_query_entry(i: int, item, clips_named: set[str]) -> tuple:
         right,
         id_value(item["left_segment_id"], f"queries[{i}].left_segment_id"),
         id_value(item["right_segment_id"], f"queries[{i}].right_segment_id"),
+        None,
+        None,
     )
     clips_named.update((left, right))
     return row
 
 
+def ranked_clips(con: sqlite3.Connection, query_id: int) -> tuple[tuple, tuple] | tuple[None, None]:
+    """A ranking's clip names and segment ids in the order shown; (None, None) for a pair."""
+    rows = con.execute("SELECT clip, segment_id FROM query_clips WHERE query_id = ? ORDER BY position", (query_id,)).fetchall()
+    if not rows:
+        return None, None
+    return tuple(r["clip"] for r in rows), tuple(r["segment_id"] for r in rows)
+
+
 def find_query(con: sqlite3.Connection, run_id: int, i: int, row: tuple) -> int | None:
-    session, left, right, lseg, rseg = row
+    session, left, right, lseg, rseg, names, segments = row
     old = con.execute("SELECT * FROM queries WHERE run_id = ? AND left_clip = ? AND right_clip = ?", (run_id, left, right)).fetchone()
     if old is None:
         return None
-    if (old["session"], old["left_segment_id"], old["right_segment_id"]) != (session, lseg, rseg):
+    stored = (old["session"], old["left_segment_id"], old["right_segment_id"], *ranked_clips(con, old["id"]))
+    if stored != (session, lseg, rseg, names, segments):
         raise ApiError(
             409,
             f"queries[{i}] ({left!r} vs {right!r}) already exists as query {old['id']} with session "
-            f"{old['session']!r} and segments {old['left_segment_id']!r}/{old['right_segment_id']!r}; "
+            f"{old['session']!r} and segments {old['left_segment_id']!r}/{old['right_segment_id']!r} (or other clips); "
             "re-send identical entries or use new clip names.",
         )
     return old["id"]
 
 
 def insert_query(con: sqlite3.Connection, run_id: int, row: tuple, stamp: str) -> int:
-    session, left, right, lseg, rseg = row
-    return con.execute(
+    session, left, right, lseg, rseg, names, segments = row
+    query_id = con.execute(
         "INSERT INTO queries (run_id, session, left_clip, right_clip, left_segment_id, right_segment_id, created_at) "
         "VALUES (?, ?, ?, ?, ?, ?, ?)",
         (run_id, session, left, right, lseg, rseg, stamp),
     ).lastrowid
+    if names is not None:
+        con.executemany(
+            "INSERT INTO query_clips (query_id, position, clip, segment_id) VALUES (?, ?, ?, ?)",
+            [(query_id, k, name, segment) for k, (name, segment) in enumerate(zip(names, segments, strict=True))],
+        )
+    return query_id
 
 
 EVALUATION_KINDS = ("check", "agent")
@@ -669,10 +758,15 @@ def run_instructions(con: sqlite3.Connection, run_id: int) -> dict:
 
 
 def query_payload(con: sqlite3.Connection, q: sqlite3.Row) -> dict:
+    """What the page shows of a query: its kind ("pair", or "ranking" of 3 or more clips) and every clip's URL in the
+    order shown (a pair's also as left_url and right_url)."""
+    names = ranked_clips(con, q["id"])[0] or (q["left_clip"], q["right_clip"])
     return {
         "query_id": q["id"],
         "run_id": q["run_id"],
         **run_instructions(con, q["run_id"]),
+        "kind": "pair" if len(names) == 2 else "ranking",
+        "clip_urls": [clip_url(q["run_id"], name) for name in names],
         "left_url": clip_url(q["run_id"], q["left_clip"]),
         "right_url": clip_url(q["run_id"], q["right_clip"]),
         "session": q["session"],
@@ -871,7 +965,7 @@ def run_status(run_id: int):
     con = db()
     require_run(con, run_id)
     total = con.execute("SELECT COUNT(*) FROM queries WHERE run_id = ?", (run_id,)).fetchone()[0]
-    by_choice = dict.fromkeys(CHOICES, 0)
+    by_choice = dict.fromkeys(CHOICES, 0)  # and "ranked", where a ranking is answered
     for choice, n in con.execute(
         "SELECT l.choice, COUNT(*) FROM labels l JOIN queries q ON q.id = l.query_id WHERE q.run_id = ? GROUP BY l.choice", (run_id,)
     ):
@@ -1081,16 +1175,40 @@ def check_may_answer(q: sqlite3.Row, holder: str) -> None:
     raise ApiError(409, f"Query {q['id']} is not leased to you; label the pairs GET /api/next gives you.")
 
 
+def answer_of(con: sqlite3.Connection, q: sqlite3.Row, body: dict) -> tuple[str, str | None]:
+    """The one check of an answer against its query: a pair takes a choice; a ranking takes {"ranking": [each clip's
+    position once, best first]} (rankings.order_problem) or the choice skip. Returns the choice to store and a ranking's
+    order as JSON (None for a pair's answer and a skip); a 400 naming what is wrong otherwise."""
+    names = ranked_clips(con, q["id"])[0]
+    choice, order = body.get("choice"), body.get("ranking")
+    if names is None:
+        if order is not None:
+            raise ApiError(400, f"Query {q['id']} is a pair: answer it with a choice, not a ranking.")
+        allowed = cfg("choices")
+        if choice not in allowed:
+            raise ApiError(400, f"choice {str(choice)[:40]!r} is not allowed; use one of {', '.join(allowed)}.")
+        return choice, None
+    skips = "skip" in cfg("choices")
+    if choice is not None:
+        if order is not None or choice != "skip" or not skips:
+            also = " or the choice skip" if skips else ""
+            raise ApiError(
+                400, f"Query {q['id']} ranks {len(names)} clips: answer it with a ranking{also}, not the choice {str(choice)[:40]!r}."
+            )
+        return choice, None
+    problem = order_problem(order, len(names))
+    if problem is not None:
+        raise ApiError(400, f"ranking {str(order)[:60]} is not allowed for query {q['id']}: {problem}.")
+    return RANKED, json.dumps(order)
+
+
 @api.post(protocol.QUERY_LABEL)
 def label_query(query_id: int):
-    require_query(db(), query_id)
-    body = json_body(("choice", "annotator"))
+    asked = require_query(db(), query_id)
+    body = json_body(("choice", "ranking", "annotator"))
     annotator = annotator_arg(body.get("annotator"))
     holder = principal().holder(annotator)
-    choice = body.get("choice")
-    allowed = cfg("choices")
-    if choice not in allowed:
-        raise ApiError(400, f"choice {str(choice)[:40]!r} is not allowed; use one of {', '.join(allowed)}.")
+    choice, ranking = answer_of(db(), asked, body)
     with write_transaction() as con:
         q = require_query(con, query_id)
         old = con.execute("SELECT * FROM labels WHERE query_id = ?", (query_id,)).fetchone()
@@ -1098,14 +1216,15 @@ def label_query(query_id: int):
             check_may_answer(q, holder)
             stamp = utc_now()
             cur = con.execute(
-                "INSERT INTO labels (query_id, choice, annotator, created_at, updated_at, seq, holder) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (query_id, choice, annotator, stamp, stamp, next_seq(con), holder),
+                "INSERT INTO labels (query_id, choice, annotator, created_at, updated_at, seq, holder, ranking) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (query_id, choice, annotator, stamp, stamp, next_seq(con), holder, ranking),
             )
             con.execute("UPDATE queries SET lease_annotator = NULL, lease_expires = NULL, lease_holder = NULL WHERE id = ?", (query_id,))
             label_id, status, updated = cur.lastrowid, 201, False
         elif old["holder"] != holder:
             raise ApiError(409, f"Query {query_id} is already labelled by another annotator; ask for a new pair with GET /api/next.")
-        elif old["choice"] == choice:
+        elif (old["choice"], old["ranking"]) == (choice, ranking):
             label_id, status, updated = old["id"], 200, False
         elif not cfg("allow_editing"):
             raise ApiError(
@@ -1114,12 +1233,14 @@ def label_query(query_id: int):
             )
         else:
             con.execute(
-                "UPDATE labels SET choice = ?, annotator = ?, updated_at = ?, seq = ? WHERE id = ?",
-                (choice, annotator, utc_now(), next_seq(con), old["id"]),
+                "UPDATE labels SET choice = ?, ranking = ?, annotator = ?, updated_at = ?, seq = ? WHERE id = ?",
+                (choice, ranking, annotator, utc_now(), next_seq(con), old["id"]),
             )
             label_id, status, updated = old["id"], 200, True
         progress, learned = progress_for(con, q["run_id"], q["session"]), learning(con, q["run_id"])
-    return jsonify(label_id=label_id, query_id=query_id, choice=choice, updated=updated, progress=progress, learned=learned), status
+    order = None if ranking is None else json.loads(ranking)
+    reply = dict(label_id=label_id, query_id=query_id, choice=choice, ranking=order, updated=updated, progress=progress, learned=learned)
+    return jsonify(reply), status
 
 
 @api.post(protocol.QUERY_UNDO)
@@ -1157,14 +1278,16 @@ def undo_label(query_id: int):
                 f"(or name the pair the undone one replaces in 'release').",
             )
         con.execute(
-            "INSERT INTO label_tombstones (seq, label_id, query_id, choice, annotator, created_at, deleted_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
-            (next_seq(con), old["id"], query_id, old["choice"], old["annotator"], old["created_at"], utc_now()),
+            "INSERT INTO label_tombstones (seq, label_id, query_id, choice, annotator, created_at, deleted_at, ranking) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            (next_seq(con), old["id"], query_id, old["choice"], old["annotator"], old["created_at"], utc_now(), old["ranking"]),
         )
         con.execute("DELETE FROM labels WHERE id = ?", (old["id"],))
         lease(con, query_id, annotator, holder)
         q = con.execute("SELECT * FROM queries WHERE id = ?", (query_id,)).fetchone()
         payload, learned = query_payload(con, q), learning(con, q["run_id"])
-    return jsonify(undone_label_id=old["id"], undone_choice=old["choice"], query=payload, learned=learned)
+    undone_ranking = None if old["ranking"] is None else json.loads(old["ranking"])
+    return jsonify(undone_label_id=old["id"], undone_choice=old["choice"], undone_ranking=undone_ranking, query=payload, learned=learned)
 
 
 @api.get(protocol.RUN_ANSWERS)
@@ -1177,12 +1300,12 @@ def answers(run_id: int):
     rows = con.execute(
         """
         SELECT * FROM (
-            SELECT l.seq, l.id AS label_id, l.query_id, l.choice, l.annotator, l.created_at, l.updated_at,
+            SELECT l.seq, l.id AS label_id, l.query_id, l.choice, l.ranking, l.annotator, l.created_at, l.updated_at,
                    q.left_segment_id, q.right_segment_id, q.session, q.left_clip, q.right_clip
             FROM labels l JOIN queries q ON q.id = l.query_id
             WHERE q.run_id = :run AND l.seq > :after
             UNION ALL
-            SELECT t.seq, t.label_id, t.query_id, 'undone', t.annotator, t.created_at, t.deleted_at,
+            SELECT t.seq, t.label_id, t.query_id, 'undone', NULL, t.annotator, t.created_at, t.deleted_at,
                    q.left_segment_id, q.right_segment_id, q.session, q.left_clip, q.right_clip
             FROM label_tombstones t JOIN queries q ON q.id = t.query_id
             WHERE q.run_id = :run AND t.seq > :after
@@ -1190,7 +1313,7 @@ def answers(run_id: int):
         """,
         {"run": run_id, "after": after, "limit": limit},
     ).fetchall()
-    items = [dict(r) for r in rows]
+    items = [dict(r) | {"ranking": None if r["ranking"] is None else json.loads(r["ranking"])} for r in rows]
     cursor = items[-1]["seq"] if items else after
     return jsonify(answers=items, cursor=cursor)
 

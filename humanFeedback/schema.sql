@@ -38,16 +38,30 @@ CREATE TABLE IF NOT EXISTS queries (
     UNIQUE (run_id, left_clip, right_clip)
 );
 
--- The current answer to a query, at most one; seq orders every label write (see label_tombstones).
+-- The clips of a query of more than two (a ranking): every one, in the order shown, with its segment id.  Such a
+-- query's left and right columns hold its first two clips; a pair has no rows here.
+CREATE TABLE IF NOT EXISTS query_clips (
+    query_id INTEGER NOT NULL REFERENCES queries(id),
+    position INTEGER NOT NULL CHECK (position >= 0),
+    clip TEXT NOT NULL CHECK (length(clip) > 0),
+    segment_id NOT NULL CHECK (typeof(segment_id) IN ('integer', 'text')),
+    PRIMARY KEY (query_id, position),
+    UNIQUE (query_id, clip)
+);
+
+-- The current answer to a query, at most one; seq orders every label write (see label_tombstones).  A pair's answer is
+-- its choice; a ranking's is choice 'ranked' with ranking, the JSON list of its clips' positions, best first (or 'skip').
 CREATE TABLE IF NOT EXISTS labels (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
     query_id INTEGER NOT NULL UNIQUE REFERENCES queries(id),
-    choice TEXT NOT NULL CHECK (choice IN ('left', 'right', 'tie', 'skip')),
+    choice TEXT NOT NULL CHECK (choice IN ('left', 'right', 'tie', 'skip', 'ranked')),
     annotator TEXT NOT NULL CHECK (length(annotator) > 0),
     created_at TEXT NOT NULL,
     updated_at TEXT NOT NULL,
     seq INTEGER NOT NULL UNIQUE CHECK (seq > 0),
-    holder TEXT  -- who gave it (access.Principal.holder): only they may change or undo it
+    holder TEXT,  -- who gave it (access.Principal.holder): only they may change or undo it
+    ranking TEXT,
+    CHECK ((choice = 'ranked') = (ranking IS NOT NULL))
 );
 
 -- An undone label, kept so that a reader of answers?after= learns that it is gone.  label_id names a
@@ -56,10 +70,11 @@ CREATE TABLE IF NOT EXISTS label_tombstones (
     seq INTEGER PRIMARY KEY CHECK (seq > 0),
     label_id INTEGER NOT NULL,
     query_id INTEGER NOT NULL REFERENCES queries(id),
-    choice TEXT NOT NULL CHECK (choice IN ('left', 'right', 'tie', 'skip')),
+    choice TEXT NOT NULL CHECK (choice IN ('left', 'right', 'tie', 'skip', 'ranked')),
     annotator TEXT NOT NULL CHECK (length(annotator) > 0),
     created_at TEXT NOT NULL,
-    deleted_at TEXT NOT NULL
+    deleted_at TEXT NOT NULL,
+    ranking TEXT
 );
 
 -- A clip shown in the reward-model check view (#rewards) with the return the reward model predicts.

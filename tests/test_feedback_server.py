@@ -281,7 +281,7 @@ def test_page_is_served_with_both_videos_and_controls(env):
         assert needle in html
     assert "Access-Control-Allow-Origin" not in resp.headers
     modules = page_modules(env.client, html)
-    assert set(modules) == {"main.js", "api.js", "state.js", "player.js", "views.js"}
+    assert set(modules) == {"main.js", "api.js", "state.js", "player.js", "views.js", "answers.js"}
     assert "localStorage" in modules["state.js"] and "/api/next" in modules["api.js"]
     missing = env.client.get("/static/js/nothing.js")
     assert missing.status_code == 404 and "error" in missing.get_json()
@@ -1231,9 +1231,10 @@ def test_real_server_opens_an_old_schema_database_and_serves_its_labels(tmp_path
     now = con.execute("SELECT name, sql FROM sqlite_master ORDER BY name").fetchall()
     added = ("run_progress", "session_sizes", "sqlite_autoindex_session_sizes_1")  # the trainer's news
     added += ("invitations", "sqlite_autoindex_invitations_1")
-    # its tables as they were, but for the kind of each evaluation clip (the old ones: reward checks) and who holds a
-    # lease or owns a label (the old ones: their annotator's name, as the token's are)
-    grown = ("evaluations", "queries", "labels")
+    added += ("query_clips", "sqlite_autoindex_query_clips_1", "sqlite_autoindex_query_clips_2")  # rankings
+    # its tables as they were, but for the kind of each evaluation clip (the old ones: reward checks), who holds a
+    # lease or owns a label (the old ones: their annotator's name, as the token's are) and a ranking's answer
+    grown = ("evaluations", "queries", "labels", "label_tombstones")
     assert [t for t in now if t[0] not in added and t[0] not in grown] == [t for t in old_tables if t[0] not in grown]
     assert con.execute("SELECT clip, kind FROM evaluations").fetchall() == [("o0a.mp4", "check")]
     assert con.execute("SELECT annotator, holder FROM labels ORDER BY id").fetchall() == [("ann", "token:ann"), ("new", "token:new")]

@@ -32,7 +32,7 @@ from .checkpoints import training_state
 from .envs import SegmentRenderer, check_can_render, get_physics_state, make_env, segment_frames, write_mp4
 from .errors import ConfigError, check_ranges, need
 from .objectives import check_objective, load_objective, segment_rewards
-from .rankings import order_labels
+from .rankings import clip_pairs, order_labels, pair_labels
 from .stopping import stoppable_at_once
 
 
@@ -154,8 +154,9 @@ def label_file_clips(path: str | Path) -> int | None:
 
 
 def check_clips_per_query(args) -> None:
-    """Rankings (--clips-per-query k > 2) come from the synthetic teacher or a file of rankings of k clips: the feedback
-    page asks pairs, and a ranking of more than two clips has no ties (--teacher-eps-equal is a pair's)."""
+    """Rankings (--clips-per-query k > 2) come from the synthetic teacher, people (the feedback page ranks up to
+    rankings.MAX_CLIPS clips) or a file of rankings of k clips; a ranking of more than two clips has no ties
+    (--teacher-eps-equal is a pair's)."""
     clips, mode = args.clips_per_query, args.teacher_feedback_mode
     if mode == "file":
         stored = label_file_clips(args.feedback_file)
@@ -165,7 +166,6 @@ def check_clips_per_query(args) -> None:
         )
     if clips == 2:
         return
-    need(mode != "human", f"--clips-per-query {clips}: the feedback page asks people about pairs; use 2 with --teacher-feedback-mode human")
     need(
         args.teacher_eps_equal == 0,
         f"--teacher-eps-equal {args.teacher_eps_equal} calls ties, and a ranking of {clips} clips is strict: use it with --clips-per-query 2",
@@ -174,6 +174,22 @@ def check_clips_per_query(args) -> None:
 
 # What each of the protocol's choices means as a label (the left clip is segment 0).
 CHOICE_LABELS = dict(zip(protocol.CHOICES, (0.0, 1.0, 0.5, float("nan")), strict=True))
+
+
+def answer_label(answer: dict) -> float:
+    """The label of an answer the feedback server gives: a pair's choice (CHOICE_LABELS), or a ranking's order, best
+    first, as its order's index (cleanrlhf_utils.rankings)."""
+    if answer["choice"] == protocol.RANKED:
+        return float(order_labels(np.array([answer["ranking"]]))[0])
+    return CHOICE_LABELS[answer["choice"]]
+
+
+def query_entry(clips: list[str], segment_ids: list, session: int) -> dict:
+    """A query as the server takes it: a pair's two clips as left and right, a ranking's clips in the order shown."""
+    if len(clips) > 2:
+        return {"clips": clips, "segment_ids": segment_ids, "session": session}
+    (left, right), (left_id, right_id) = clips, segment_ids
+    return {"left_clip": left, "right_clip": right, "left_segment_id": left_id, "right_segment_id": right_id, "session": session}
 
 
 class FeedbackServerError(RuntimeError):
@@ -531,7 +547,7 @@ class HumanTeacher(Teacher):
         try:
             env_returns = segments["true_rewards"].sum(-1).tolist() if "true_rewards" in segments else None  # (N, 2)
             objective = None if self.objective_returns is None else np.asarray(self.objective_returns(segments)).tolist()
-            for i, (left_id, right_id) in enumerate(segments["segment_ids"].tolist()):
+            for i, segment_ids in enumerate(segments["segment_ids"].tolist()):
                 if stop.is_set():
                     return
                 if query_ids[i] is not None:  # uploaded before the run was resumed (and logged then)
@@ -539,19 +555,14 @@ class HumanTeacher(Teacher):
                     if objective is not None:
                         self.shown[query_ids[i]] = objective[i]
                     continue
-                stem = f"run{self.run_id}_s{session}_q{i}_{left_id}_{right_id}"
-                clips = {
-                    side: self.render_clip(f"{stem}_{side}.mp4", segments["physics_states"][i, k], segments["masks"][i, k])
-                    for k, side in enumerate(("left", "right"))
-                }
-                query = {
-                    "left_clip": clips["left"].name,
-                    "right_clip": clips["right"].name,
-                    "left_segment_id": left_id,
-                    "right_segment_id": right_id,
-                    "session": session,
-                }
-                query_ids[i] = self.client.upload_queries(self.run_id, [query], {path.name: path for path in clips.values()})[0]
+                stem = f"run{self.run_id}_s{session}_q{i}_" + "_".join(map(str, segment_ids))
+                sides = ("left", "right") if len(segment_ids) == 2 else [f"clip{k}" for k in range(len(segment_ids))]
+                clips = [
+                    self.render_clip(f"{stem}_{side}.mp4", segments["physics_states"][i, k], segments["masks"][i, k])
+                    for k, side in enumerate(sides)
+                ]
+                query = query_entry([clip.name for clip in clips], segment_ids, session)
+                query_ids[i] = self.client.upload_queries(self.run_id, [query], {path.name: path for path in clips})[0]
                 self.pair_query[(session, i)] = query_ids[i]
                 pair_returns = None if env_returns is None else env_returns[i]
                 self.log_shown_pair(query_ids[i], session, i, query, pair_returns, None if objective is None else objective[i])
@@ -564,12 +575,17 @@ class HumanTeacher(Teacher):
         if self.pair_log is None or query_id in self.logged_pairs:  # a resumed run uploads the same pair again: logged once
             return
         self.logged_pairs.add(query_id)
-        line = {"query_id": query_id, "session": session, "pair": pair, "left_segment_id": query["left_segment_id"]}
-        line["right_segment_id"] = query["right_segment_id"]
-        if env_returns is not None:
-            line |= {"left_env_return": env_returns[0], "right_env_return": env_returns[1]}
-        if objective is not None:
-            line |= {"left_objective_return": objective[0], "right_objective_return": objective[1]}
+        line = {"query_id": query_id, "session": session, "pair": pair}
+        if "clips" in query:  # a ranking: each clip's, in the order shown
+            line["segment_ids"] = query["segment_ids"]
+            line |= {} if env_returns is None else {"env_returns": env_returns}
+            line |= {} if objective is None else {"objective_returns": objective}
+        else:
+            line |= {"left_segment_id": query["left_segment_id"], "right_segment_id": query["right_segment_id"]}
+            if env_returns is not None:
+                line |= {"left_env_return": env_returns[0], "right_env_return": env_returns[1]}
+            if objective is not None:
+                line |= {"left_objective_return": objective[0], "right_objective_return": objective[1]}
         with open(self.pair_log, "a") as log:  # one line per write: a reader never sees half a pair
             log.write(json.dumps(line) + "\n")
 
@@ -702,7 +718,7 @@ class HumanTeacher(Teacher):
         labels, annotators = np.full(len(query_ids), np.nan, dtype=np.float32), [""] * len(query_ids)
         for i, qid in enumerate(query_ids):
             if qid is not None and qid in self.answers:
-                labels[i], annotators[i] = CHOICE_LABELS[self.answers[qid]["choice"]], self.answers[qid]["annotator"]
+                labels[i], annotators[i] = answer_label(self.answers[qid]), self.answers[qid]["annotator"]
         return labels, annotators
 
     EVALUATION_CLIP_STEPS = 300  # steps of an evaluation episode's start shown on the page (Hopper: 2.4 s)
@@ -1412,7 +1428,9 @@ def show_reward_model(teacher: Teacher, session: FeedbackSession, prefs, rb, pre
         decided = prefs.labels[rows] != 0.5
         segments, masks = prefs.obs_actions[rows[decided]], prefs.masks[rows[decided]]
         returns = (predict(segments.reshape(-1, segments.shape[-1]))[0].reshape(masks.shape) * masks).sum(-1)
-        agree = (returns[:, 1] > returns[:, 0]) == (prefs.labels[rows[decided]] > 0.5)
+        first, second = clip_pairs(prefs.clips)  # a ranking: the share of its pairs of clips the model orders as given
+        given = pair_labels(prefs.labels[rows[decided]], prefs.clips).reshape(len(returns), -1)
+        agree = ((returns[:, second] > returns[:, first]) == (given > 0.5)).mean(-1)
         teacher.show_agreement([pair for pair, keep in zip(pairs, decided) if keep], agree)
     if args.feedback_check_clips == 0:
         return

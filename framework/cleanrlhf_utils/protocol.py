@@ -15,6 +15,9 @@ from pathlib import Path
 
 # What a person may answer for a pair (the left clip shows segment 0). The server may switch tie and skip off.
 CHOICES = ("left", "right", "tie", "skip")
+# A query of more than two clips is ranked: its answer is {"ranking": [clip positions, best first]} (or the choice
+# "skip"), stored and read back as the choice RANKED with that ranking (cleanrlhf_utils.rankings checks it).
+RANKED = "ranked"
 
 # The shared secret: the trainer and scripts send it in this header; handed to a server the trainer starts through this
 # environment variable, never its command line (visible to every user in ps). A browser never holds it: the login route

@@ -7,14 +7,17 @@ segment 1: a pair's label, whose 0.5 is a tie (both orders equally likely). A ra
 One float per query keeps every label store as it is (the preference buffer, labels.sqlite, corrections, file mode),
 with nan = skipped; the stored segments' shape (k, L, ...) says how many clips a label orders."""
 
+import collections
 import functools
 import itertools
 import math
 
 import numpy as np
 
-CLIPS_PER_QUERY_RANGE = "in [2, 6]"
-"""clips a query may show: a pair, up to six to rank (720 orders)"""
+MAX_CLIPS = 6
+"""clips a query may show at most: six to rank have 720 orders"""
+CLIPS_PER_QUERY_RANGE = f"in [2, {MAX_CLIPS}]"
+"""clips a query may show: a pair, up to MAX_CLIPS to rank"""
 
 
 @functools.cache
@@ -52,3 +55,20 @@ def pair_labels(labels: np.ndarray, clips: int) -> np.ndarray:
     first, second = clip_pairs(clips)
     ranked = places(labels, clips)
     return (ranked[:, second] < ranked[:, first]).astype(np.float32)
+
+
+def order_problem(order, clips: int) -> str | None:
+    """Why `order` (a person's answer, parsed from JSON) is not a ranking of `clips` clips, or None when it is one: a list
+    holding each clip position 0 .. clips - 1 exactly once, best first."""
+    if not isinstance(order, list) or not all(isinstance(place, int) and not isinstance(place, bool) for place in order):
+        return f"a ranking is a list of clip positions (integers), got {str(order)[:60]}"
+    outside = sorted({place for place in order if not 0 <= place < clips})
+    if outside:
+        return f"positions {outside} are not clips of this query; its {clips} clips are 0 to {clips - 1}"
+    repeated = sorted(place for place, count in collections.Counter(order).items() if count > 1)
+    if repeated:
+        return f"clips {repeated} appear more than once; name each of the {clips} clips once"
+    missing = sorted(set(range(clips)) - set(order))
+    if missing:
+        return f"clips {missing} are missing; name each of the {clips} clips once, best first"
+    return None

@@ -38,8 +38,9 @@ export function getNext({ annotator, runId, exclude }) {
   return call(url);
 }
 
-export const postLabel = (queryId, choice, annotator) =>
-  call(`/api/queries/${queryId}/label`, { method: "POST", body: { choice, annotator } });
+// `answer`: {choice} (a pair, or a skip), or {ranking: clip positions, best first}
+export const postLabel = (queryId, answer, annotator) =>
+  call(`/api/queries/${queryId}/label`, { method: "POST", body: { ...answer, annotator } });
 
 // `release`: the pairs this browser gives up for the undone one (its next pair), so that it never holds more than its cap
 export const postUndo = (queryId, annotator, release) =>

@@ -4,10 +4,10 @@
 import {
   getConfig, getInvitations, getLatestEvaluation, getNext, getRunState, getRuns, postInvitation, postLabel, postRevoke, postUndo,
 } from "./api.js";
-import { activePair, applySpeed, forgetPairs, hiddenPair, loadPair, pauseAll, showPair, startTogether } from "./player.js";
+import { componentOf, showQuery } from "./answers.js";
+import { activePair, applySpeed, forgetPairs, hiddenPair, loadPair, pauseAll, startTogether } from "./player.js";
 import {
-  $, CHOICE_NAMES, KEYS, NAME_KEY, RUN_KEY, SPEED_KEY, UNDO_KEY, noteProgress, noteRunCounts, outbox, saveOutbox, state,
-  unsentIds,
+  $, NAME_KEY, RUN_KEY, SPEED_KEY, UNDO_KEY, noteProgress, noteRunCounts, outbox, saveOutbox, state, unsentIds,
 } from "./state.js";
 import {
   loadRewards, notice, renderEvaluations, renderInstructions, renderLatestEvaluation, renderOtherTabs, renderOutbox,
@@ -17,9 +17,8 @@ import {
 function show(q) {
   for (const b of document.querySelectorAll("button.choice.earlier")) b.classList.remove("earlier");
   state.current = q;
-  showPair(q);
+  showQuery(q);   // with the component of its kind (answers.js): a pair, or clips to rank
   $("#waiting").classList.add("hidden");
-  $("#pairs").classList.remove("hidden");
   setChoicesEnabled(true);
   noteProgress(q.run_id, q.session, q.progress);
   renderInstructions(q);
@@ -144,7 +143,7 @@ function prefetch() {
   const p = fetchNext(exclude).then((q) => {
     if (q && !(state.current && q.query_id === state.current.query_id)) {
       state.prefetched = q;
-      loadPair(hiddenPair(), q);
+      if (componentOf(q).noun === "pair") loadPair(hiddenPair(), q);   // a pair loads behind the one on screen
     }
   }).catch(() => {}).finally(() => { if (state.prefetching === p) state.prefetching = null; });
   state.prefetching = p;
@@ -152,13 +151,14 @@ function prefetch() {
 
 // ------------------------------------------------------------------ answering
 
-function answer(choice) {
+// `given`: the answer of the query on screen, {choice} or {ranking} (answers.js)
+function answer(given) {
   const q = state.current;
-  if (!q || !state.config || !state.config.choices.includes(choice)) return;
+  if (!q || !state.config || !given || (given.choice !== undefined && !state.config.choices.includes(given.choice))) return;
   state.current = null;
   setChoicesEnabled(false);
   const box = outbox();   // kept in this browser first: nothing given is lost if the server is away
-  box[q.query_id] = { choice, annotator: state.annotator, run_id: q.run_id, session: q.session };
+  box[q.query_id] = { choice: given.choice, ranking: given.ranking, annotator: state.annotator, run_id: q.run_id, session: q.session };
   saveOutbox(box);
   state.lastSession = { run: q.run_id, session: q.session };
   const done = sendLabel(q.query_id);
@@ -184,7 +184,7 @@ async function sendUntilAnswered(queryId) {
     const a = outbox()[queryId];
     if (!a) return null;   // sent by another tab, or dropped
     try {
-      const res = await postLabel(queryId, a.choice, a.annotator);
+      const res = await postLabel(queryId, a.ranking ? { ranking: a.ranking } : { choice: a.choice }, a.annotator);
       const box = outbox(); delete box[queryId]; saveOutbox(box);
       noteProgress(a.run_id, a.session, res.progress);
       if (state.offlineSince !== null && Object.keys(box).length === 0) {
@@ -239,21 +239,22 @@ async function undoLast() {
     if (state.prefetched && release.includes(state.prefetched.query_id)) state.prefetched = null;
     const q = res.query;
     q.fetchedAt = Date.now();
-    if (state.current) {            // the pair on screen becomes the next one again
+    if (state.current) {            // the query on screen becomes the next one again
       state.current.fetchedAt = Date.now();
       state.prefetched = state.current;
-      loadPair(hiddenPair(), state.current);
+      if (componentOf(state.current).noun === "pair") loadPair(hiddenPair(), state.current);
     }
     clearTimeout(state.pollTimer);
     show(q);
-    const earlier = document.querySelector(`button.choice[data-choice="${res.undone_choice}"]`);
-    if (earlier) earlier.classList.add("earlier");
+    const component = componentOf(q);
+    const undone = { choice: res.undone_choice, ranking: res.undone_ranking };
+    component.markEarlier(undone);
     const counts = {
       yes: "choose again: the agent learns from your new answer",
       "on resume": "choose again: the run has stopped, and learns from your new answer when it is resumed",
       no: "the run has finished: a new answer is kept here, but this run will not learn from it",
     }[res.learned];
-    notice(`Undone: pair #${q.query_id} is back. Your earlier answer was “${CHOICE_NAMES[res.undone_choice]}”; ${counts}.`);
+    notice(`Undone: ${component.noun} #${q.query_id} is back. Your earlier answer was ${component.describe(undone)}; ${counts}.`);
   } catch (e) {
     notice(e.message, true);
   }
@@ -313,20 +314,22 @@ document.addEventListener("keydown", (ev) => {
   const tag = (ev.target && ev.target.tagName) || "";
   if (["INPUT", "SELECT", "TEXTAREA"].includes(tag)) return;
   if (location.hash === "#rewards" || $("#compare-view").classList.contains("hidden")) return;
+  const given = state.current ? componentOf(state.current).key(ev) : null;   // true: the component took the key
+  if (given) {
+    ev.preventDefault();
+    if (given !== true) answer(given);
+    return;
+  }
   if (ev.key === UNDO_KEY) {
     ev.preventDefault();
     if (!$("#undo").disabled && !$("#undo").classList.contains("hidden")) undoLast();
-    return;
   }
-  const choice = KEYS[ev.key];
-  if (!choice) return;
-  ev.preventDefault();
-  answer(choice);
 });
 
 for (const b of document.querySelectorAll("button.choice")) {
-  b.addEventListener("click", () => answer(b.dataset.choice));
+  b.addEventListener("click", () => answer({ choice: b.dataset.choice }));
 }
+$("#rank-submit").addEventListener("click", () => { if (state.current) answer(componentOf(state.current).submit()); });
 $("#undo").addEventListener("click", undoLast);
 $("#speed").addEventListener("change", () => {
   localStorage.setItem(SPEED_KEY, $("#speed").value);

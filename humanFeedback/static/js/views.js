@@ -1,6 +1,7 @@
 // What the person reads: the notice line, the progress line, the instructions, the run panel (what the trainer does
 // now and what the agent does), the trainers' news while no pair waits, the outbox warning, the other-tab warning,
 // and the reward-model check view. Rendering only: no requests but the check view's.
+import { hideQueries } from "./answers.js";
 import { getEvaluations, getRuns } from "./api.js";
 import { pauseAll, speed } from "./player.js";
 import { $, outbox, state, unsentIn, unsentSkipsIn } from "./state.js";
@@ -142,8 +143,7 @@ export function showWaiting(training) {
   renderTraining(training);
   renderProgress();
   $("#instructions").textContent = "";
-  $("#pairs").classList.add("hidden");
-  $("#pairs").dataset.queryId = "";
+  hideQueries();
   pauseAll();
   $("#waiting").classList.remove("hidden");
   setChoicesEnabled(false);
