@@ -7,6 +7,16 @@ each session's answers) and once with --feedback-async. The behaviour is the win
 
     python bench/simulated_person.py                                  # windmill clockwise, seeds 1 2 3, async and sync
     python bench/simulated_person.py --seeds 1 --modes async --objective windmill-counterclockwise
+    python bench/simulated_person.py --modes async --clips-per-query 2 3 4 --labels 60 30 20   # pairs against rankings
+
+With --clips-per-query k > 2 the trainer asks for rankings of k clips and the person orders them in the page (keys
+1..k best first, then Enter). Their time model: the clips play together and are watched once, then every clip placed
+after the first is a judgement of its own, one drawn delay each (k - 1 delays; a pair's one). Their noise is the
+synthetic teacher's for rankings (cleanrlhf_utils.feedback.SyntheticTeacher.rank_true_rewards on the objective's
+returns: Plackett-Luce at --person-beta, a mistake replacing the order by another). Each --clips-per-query value runs
+with its own label budget (--labels, one value for all kinds or one per kind), so kinds can be set against each other at
+about equal minutes of the person's time, which each row reports (person_minutes: watching and thinking, waiting left
+out).
 
 How the person knows what a clip shows: the trainer logs each uploaded pair with its objective returns in
 runs/<run>/shown_pairs.jsonl (what `--teacher-objective` does in human mode); the person reads the query id of the
@@ -34,6 +44,7 @@ import os
 os.environ.setdefault("MUJOCO_GL", "egl")
 
 import argparse
+import itertools
 import json
 import math
 import random
@@ -44,22 +55,25 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 from common import DEFENCE_SCRIPTS, REPO, free_port, machine_info, print_table, read_summary, results_path, start_script, write_json
 from novel_behaviours import WINDMILL
 
-from cleanrlhf_utils.feedback import FeedbackClient, FeedbackServerUnreachable
+from cleanrlhf_utils.feedback import FeedbackClient, FeedbackServerUnreachable, SyntheticTeacher
 from cleanrlhf_utils.protocol import TOKEN_ENV  # read by the trainer when no --feedback-server-token is given
+from cleanrlhf_utils.rankings import MAX_CLIPS, orders
 
 CHROMIUM = "/usr/bin/chromium"
 
 
 class ShownPairs:
-    """runs/<run>/shown_pairs.jsonl, read as it grows: query id -> the objective's (left, right) returns."""
+    """runs/<run>/shown_pairs.jsonl, read as it grows: query id -> the objective's returns of its clips, in the order
+    shown ((left, right) for a pair)."""
 
     def __init__(self, path: Path):
         self.path, self.offset, self.returns = path, 0, {}
 
-    def lookup(self, query_id: int, timeout: float = 10.0) -> tuple[float, float]:
+    def lookup(self, query_id: int, timeout: float = 10.0) -> tuple[float, ...]:
         deadline = time.monotonic() + timeout
         while query_id not in self.returns:
             if self.path.exists():
@@ -70,7 +84,8 @@ class ShownPairs:
                             break
                         self.offset += len(line.encode())
                         pair = json.loads(line)
-                        self.returns[pair["query_id"]] = (pair["left_objective_return"], pair["right_objective_return"])
+                        clips = pair.get("objective_returns") or (pair["left_objective_return"], pair["right_objective_return"])
+                        self.returns[pair["query_id"]] = tuple(clips)
             if query_id in self.returns:
                 break
             if time.monotonic() > deadline:
@@ -81,11 +96,13 @@ class ShownPairs:
 
 class Person:
     """Answers by the objective's segment returns: beta-rational (P(right) = sigmoid(beta (R_right - R_left))) when
-    beta >= 0, else the larger return; then flips the answer with probability eps_mistake."""
+    beta >= 0, else the larger return; then flips the answer with probability eps_mistake. Ranks k clips as the
+    synthetic teacher does, from the same noise settings."""
 
     def __init__(self, beta: float, eps_mistake: float, delay: tuple[float, float], seed: int):
         self.beta, self.eps_mistake, self.delay = beta, eps_mistake, delay
         self.rng = random.Random(seed)
+        self.ranker = SyntheticTeacher(beta, 1.0, eps_mistake, 0.0, 0.0, seed=seed)
 
     def choose(self, left: float, right: float) -> str:
         if self.beta >= 0:
@@ -97,21 +114,58 @@ class Person:
             prefer_right = not prefer_right
         return "right" if prefer_right else "left"
 
-    def thinking_seconds(self) -> float:
-        return self.rng.uniform(*self.delay)
+    def rank(self, returns: tuple[float, ...]) -> list[int]:
+        """The clips best first (indices into `returns`)."""
+        label = self.ranker.rank_true_rewards(np.array(returns, dtype=np.float64)[None, :, None])[0]
+        return orders(len(returns))[int(label)].tolist()
+
+    def thinking_seconds(self, clips: int = 2) -> float:
+        """A drawn delay per judgement: a pair is one, a ranking of k clips k - 1 (each clip placed after the first)."""
+        return sum(self.rng.uniform(*self.delay) for _ in range(clips - 1))
 
 
-SHOWN_PAIR = "last => { const id = document.querySelector('#pairs').dataset.queryId; return id && id !== last ? id : null; }"
+def agreement(order: list[int], returns: tuple[float, ...]) -> float | None:
+    """The share of the answer's clip pairs that it orders as the objective does (pairs the objective ties left out);
+    None when the objective ties them all. `order`: the clips best first."""
+    place = {clip: rank for rank, clip in enumerate(order)}
+    judged = [
+        (place[i] < place[j]) == (returns[i] > returns[j])
+        for i, j in itertools.combinations(range(len(returns)), 2)
+        if returns[i] != returns[j]
+    ]
+    return statistics.mean(judged) if judged else None
+
+
+# the query id of the query on screen in view `box` (#pairs or #ranking), once it differs from `last`
+SHOWN_QUERY = "([box, last]) => { const id = document.querySelector(box).dataset.queryId; return id && id !== last ? id : null; }"
+# the longest of the query's `clips` videos in `selector`, once all of them play (seconds at the page's speed)
 PLAYING = (
-    "() => { const v = [...document.querySelectorAll('.pair.active video')];"
-    " return v.length === 2 && v.every(x => x.readyState >= 2 && x.duration > 0) ?"
+    "([selector, clips]) => { const v = [...document.querySelectorAll(selector)];"
+    " return v.length === clips && v.every(x => x.readyState >= 2 && x.duration > 0) ?"
     " Math.max(...v.map(x => x.duration / (x.playbackRate || 1))) : null; }"
 )
+VIEWS = {"pair": ("#pairs", ".pair.active video"), "ranking": ("#ranking", "#rank-clips video")}
+"""a query's view and its videos in the page, by kind"""
 
 
-def label_through_page(base: str, token: str, trainer, shown: ShownPairs, person: Person, started: float) -> dict:
-    """The person's session: open the page, give a name, then until the trainer exits: wait for a new pair, watch it
-    for its clip's length plus a drawn delay, click. Returns what the person saw and did (times from `started`)."""
+def answer_in_page(page, person: Person, returns: tuple[float, ...]) -> tuple[str | list[int], list[int]]:
+    """The person's answer to the query on screen, given as a person would: a click on the preferred clip of a pair,
+    or the clips' keys best first and Enter for a ranking. Returns the answer and the order it puts the clips in."""
+    if len(returns) == 2:
+        choice = person.choose(*returns)
+        page.click(f"button.choice[data-choice={choice}]")
+        return choice, [1, 0] if choice == "right" else [0, 1]
+    order = person.rank(returns)
+    for clip in order:
+        page.keyboard.press(str(clip + 1))
+    page.keyboard.press("Enter")
+    return order, order
+
+
+def label_through_page(base: str, token: str, trainer, shown: ShownPairs, person: Person, started: float, clips: int) -> dict:
+    """The person's session: open the page, give a name, then until the trainer exits: wait for a new query of
+    `clips` clips, watch it for its clips' length plus the drawn thinking, answer. Returns what the person saw and did
+    (times from `started`)."""
     from playwright.sync_api import Error as PlaywrightError
     from playwright.sync_api import TimeoutError as PlaywrightTimeout
     from playwright.sync_api import sync_playwright
@@ -137,9 +191,10 @@ def label_through_page(base: str, token: str, trainer, shown: ShownPairs, person
         page.fill("#annotator-input", "simulated-person")
         page.click("#name-save")
         last, answered_at, first_shown = "", None, None
+        view, videos = VIEWS["pair" if clips == 2 else "ranking"]
         while trainer.poll() is None:
             try:
-                handle = page.wait_for_function(SHOWN_PAIR, arg=last, timeout=1000, polling=50)
+                handle = page.wait_for_function(SHOWN_QUERY, arg=[view, last], timeout=1000, polling=50)
             except PlaywrightTimeout:
                 continue
             query_id = handle.json_value()
@@ -148,30 +203,29 @@ def label_through_page(base: str, token: str, trainer, shown: ShownPairs, person
                 first_shown = now
             if answered_at is not None:
                 waits.append(now - answered_at)
-            left, right = shown.lookup(int(query_id))
-            clip_seconds = page.wait_for_function(PLAYING, timeout=10_000, polling=50).json_value()
-            time.sleep(clip_seconds + person.thinking_seconds())  # the clip once, then the thinking
-            choice = person.choose(left, right)
-            page.click(f"button.choice[data-choice={choice}]")
+            returns = shown.lookup(int(query_id))
+            clip_seconds = page.wait_for_function(PLAYING, arg=[videos, clips], timeout=10_000, polling=50).json_value()
+            time.sleep(clip_seconds + person.thinking_seconds(clips))  # the clips once (together), then the thinking
+            answer, order = answer_in_page(page, person, returns)
             answered_at = time.perf_counter() - started
-            agrees = None if left == right else (choice == "right") == (right > left)
             answers.append({"query_id": int(query_id), "shown_s": round(now, 3), "answered_s": round(answered_at, 3)})
-            answers[-1] |= {"clip_seconds": round(clip_seconds, 3), "choice": choice, "agrees_with_objective": agrees}
+            answers[-1] |= {"clip_seconds": round(clip_seconds, 3), "choice": answer, "agrees_with_objective": agreement(order, returns)}
             last = query_id
         pending = page.evaluate("() => Object.keys(JSON.parse(localStorage.getItem('cleanrlhf.feedback.outbox') || '{}')).length")
         browser.close()
     return {"answers": answers, "waits": waits, "first_shown": first_shown, "page_errors": errors, "unsent": pending}
 
 
-def trainer_flags(args, seed: int, run_name: str, base: str, asynchronous: bool) -> list[str]:
+def trainer_flags(args, seed: int, run_name: str, base: str, asynchronous: bool, clips: int, labels: int) -> list[str]:
     return [
         "--env-id", args.env_id, "--teacher-objective", args.objective, "--seed", str(seed), "--run-name", run_name,
         "--total-timesteps", str(args.steps), "--total-explore-steps", str(args.explore_steps),
-        "--learning-starts", str(min(1000, args.explore_steps)), "--teacher-feedback-total-queries", str(args.labels),
+        "--learning-starts", str(min(1000, args.explore_steps)), "--teacher-feedback-total-queries", str(labels),
         "--teacher-feedback-num-queries-per-session", str(args.pairs_per_session), "--teacher-feedback-schedule", "linear",
         "--teacher-feedback-frequency", str(args.feedback_frequency), "--evaluation-frequency", str(args.evaluation_frequency),
         "--evaluation-episodes", "5", "--checkpoint-frequency", "0", "--torch-threads", "1", "--no-cuda",
         "--teacher-feedback-mode", "human", "--feedback-server-url", base, "--feedback-server-autostart",
+        "--clips-per-query", str(clips),
         *(["--feedback-async"] if asynchronous else []),
         *(["--feedback-async-poll-steps", str(args.async_poll_steps)] if asynchronous and args.async_poll_steps else []),
         *shlex.split(args.preference_flags),
@@ -188,19 +242,20 @@ def trainer_agreement(workdir: Path, run_name: str) -> float | None:
     return statistics.mean(e.value for e in events.Scalars("feedback/objective_agreement"))
 
 
-def one_run(args, seed: int, asynchronous: bool) -> dict:
+def one_run(args, seed: int, asynchronous: bool, clips: int, labels: int) -> dict:
     mode = "async" if asynchronous else "sync"
-    run_name = f"person_{mode}_{args.objective}_{seed}_{int(time.time())}"
+    run_name = f"person_{mode}_{args.objective}_k{clips}_{seed}_{int(time.time())}"
     base, token = f"http://127.0.0.1:{free_port()}", secrets.token_urlsafe(16)
     os.environ[TOKEN_ENV] = token
     started = time.perf_counter()
     trainer = start_script(
-        DEFENCE_SCRIPTS[args.robust_labels], trainer_flags(args, seed, run_name, base, asynchronous), args.workdir,
+        DEFENCE_SCRIPTS[args.robust_labels], trainer_flags(args, seed, run_name, base, asynchronous, clips, labels), args.workdir,
         log=args.workdir / f"{run_name}.log",
     )  # fmt: skip
     try:
         person = Person(args.person_beta, args.person_eps_mistake, tuple(args.answer_delay), seed)
-        seen = label_through_page(base, token, trainer, ShownPairs(args.workdir / "runs" / run_name / "shown_pairs.jsonl"), person, started)
+        shown = ShownPairs(args.workdir / "runs" / run_name / "shown_pairs.jsonl")
+        seen = label_through_page(base, token, trainer, shown, person, started, clips)
     finally:
         if trainer.poll() is None:
             trainer.kill()
@@ -211,7 +266,8 @@ def one_run(args, seed: int, asynchronous: bool) -> dict:
     labelling = answers[-1]["answered_s"] - seen["first_shown"] if answers else 0.0
     judged = [a["agrees_with_objective"] for a in answers if a["agrees_with_objective"] is not None]
     return {
-        "mode": mode, "seed": seed, "run_name": run_name, "labels": len(answers),
+        "mode": mode, "clips": clips, "seed": seed, "run_name": run_name, "labels": len(answers),
+        "person_minutes": sum(a["answered_s"] - a["shown_s"] for a in answers) / 60,
         "labels_obtained": summary["labels_obtained"], "exactly_once": summary["labels_obtained"] == len(answers) and seen["unsent"] == 0,
         "first_pair_s": seen["first_shown"], "labelling_s": labelling,
         "labels_per_min": 60 * len(answers) / labelling if labelling else None,
@@ -229,8 +285,10 @@ def one_run(args, seed: int, asynchronous: bool) -> dict:
 
 COLUMNS = [
     "mode",
+    "clips",
     "seed",
     "labels",
+    "person_minutes",
     "exactly_once",
     "first_pair_s",
     "labels_per_min",
@@ -251,7 +309,12 @@ def main() -> None:
         "--steps", type=int, default=20_000, help="environment steps per run: with --feedback-async, enough to outlast the labelling"
     )
     parser.add_argument("--explore-steps", type=int, default=1000)
-    parser.add_argument("--labels", type=int, default=50, help="label budget per run")
+    parser.add_argument(
+        "--labels", type=int, nargs="+", default=[50], help="label budget per run: one for every kind, or one per --clips-per-query"
+    )
+    parser.add_argument(
+        "--clips-per-query", type=int, nargs="+", default=[2], help=f"clips the person compares (2) or ranks (3..{MAX_CLIPS}), a run each"
+    )
     parser.add_argument("--pairs-per-session", type=int, default=10)
     parser.add_argument("--feedback-frequency", type=int, default=500, help="steps between sessions (async: at least)")
     parser.add_argument("--evaluation-frequency", type=int, default=3000)
@@ -276,35 +339,39 @@ def main() -> None:
         raise SystemExit(f"{CHROMIUM} is missing: bash dev/install_test_deps.sh installs it")
     if not 0 <= args.answer_delay[0] <= args.answer_delay[1]:
         parser.error(f"--answer-delay {args.answer_delay[0]:g} {args.answer_delay[1]:g}: need 0 <= MIN <= MAX")
+    wrong = [k for k in args.clips_per_query if not 2 <= k <= MAX_CLIPS]
+    if wrong:
+        parser.error(f"--clips-per-query {wrong[0]}: a query shows 2 to {MAX_CLIPS} clips")
+    if len(args.labels) not in (1, len(args.clips_per_query)):
+        parser.error(f"--labels takes one budget or one per --clips-per-query ({len(args.clips_per_query)}), got {len(args.labels)}")
+    budgets = dict(zip(args.clips_per_query, args.labels * len(args.clips_per_query) if len(args.labels) == 1 else args.labels))
 
     output = args.output if args.output.is_absolute() else Path.cwd() / args.output
     settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     rows = []
     for seed in args.seeds:
-        for mode in args.modes:
-            print(f"{mode} run, seed {seed}: {args.steps} steps, {args.labels} labels through the page", flush=True)
-            rows.append(one_run(args, seed, mode == "async"))
+        for mode, clips in itertools.product(args.modes, args.clips_per_query):
+            kind = "pairs" if clips == 2 else f"rankings of {clips} clips"
+            print(f"{mode} run, seed {seed}: {args.steps} steps, {budgets[clips]} {kind} through the page", flush=True)
+            rows.append(one_run(args, seed, mode == "async", clips, budgets[clips]))
             print_table(rows[-1:], COLUMNS)
             # after every run, so a stopped benchmark keeps the runs it finished ("complete": false until the last)
             result = {"benchmark": "simulated_person", "command": shlex.join(["python", "bench/simulated_person.py", *sys.argv[1:]])}
-            result["complete"] = len(rows) == len(args.seeds) * len(args.modes)
+            result["complete"] = len(rows) == len(args.seeds) * len(args.modes) * len(args.clips_per_query)
             machine = machine_info() | {"load_average": list(os.getloadavg())}
-            write_json(
-                output, result | {"machine": machine, "settings": settings, "rows": rows, "medians": medians_per_mode(rows, args.modes)}
-            )
+            write_json(output, result | {"machine": machine, "settings": settings, "rows": rows, "medians": medians_per_kind(rows)})
     print_table(rows, COLUMNS)
     print("medians:")
-    print_table(medians_per_mode(rows, args.modes), ["mode", "seeds", *COLUMNS[2:]])
+    print_table(medians_per_kind(rows), ["mode", "clips", "seeds", *COLUMNS[3:]])
 
 
-def medians_per_mode(rows: list[dict], modes: list[str]) -> list[dict]:
+def medians_per_kind(rows: list[dict]) -> list[dict]:
+    """Medians over seeds of each (mode, clips per query), in the order the runs came."""
     medians = []
-    for mode in modes:
-        mine = [r for r in rows if r["mode"] == mode]
-        if not mine:
-            continue
-        numeric = [c for c in COLUMNS[2:] if all(isinstance(r[c], (int, float)) and not isinstance(r[c], bool) for r in mine)]
-        medians.append({"mode": mode, "seeds": len(mine)} | {c: statistics.median(r[c] for r in mine) for c in numeric})
+    for mode, clips in dict.fromkeys((r["mode"], r["clips"]) for r in rows):
+        mine = [r for r in rows if (r["mode"], r["clips"]) == (mode, clips)]
+        numeric = [c for c in COLUMNS[3:] if all(isinstance(r[c], (int, float)) and not isinstance(r[c], bool) for r in mine)]
+        medians.append({"mode": mode, "clips": clips, "seeds": len(mine)} | {c: statistics.median(r[c] for r in mine) for c in numeric})
         medians[-1]["exactly_once"] = all(r["exactly_once"] for r in mine)
     return medians
 

@@ -52,3 +52,55 @@ def test_a_person_on_the_page_gives_the_run_labels_that_prefer_what_they_want(tm
     assert sorted(pair["query_id"] for pair in shown) == sorted(a["query_id"] for a in row["answers"])
     logged = np.array([[p["left_objective_return"], p["right_objective_return"]] for p in sorted(shown, key=lambda p: p["query_id"])])
     np.testing.assert_allclose(logged, returns, rtol=1e-6, atol=1e-9)
+
+
+def simulated_person():
+    sys.path.insert(0, str(REPO / "bench"))
+    import simulated_person
+
+    return simulated_person
+
+
+def test_the_person_ranks_by_the_objective_and_thinks_once_per_clip_placed():
+    person_module = simulated_person()
+    person = person_module.Person(beta=-1.0, eps_mistake=0.0, delay=(1.0, 2.0), seed=3)
+    assert person.rank((0.5, 2.0, -1.0, 1.0)) == [1, 3, 0, 2]
+    assert person.choose(0.5, 2.0) == "right"
+    for clips in (2, 3, 4):
+        assert all(clips - 1 <= person.thinking_seconds(clips) <= 2 * (clips - 1) for _ in range(50))
+    # agreement: the share of the answer's clip pairs in the objective's order, ties left out
+    assert person_module.agreement([1, 3, 0, 2], (0.5, 2.0, -1.0, 1.0)) == 1.0
+    assert person_module.agreement([2, 0, 3, 1], (0.5, 2.0, -1.0, 1.0)) == 0.0
+    assert person_module.agreement([0, 1, 2], (1.0, 1.0, 0.0)) == 1.0  # the tied pair (0, 1) is not judged
+    assert person_module.agreement([1, 0], (1.0, 1.0)) is None
+    # a person who always errs answers every ranking with an order other than the objective's
+    wrong = person_module.Person(beta=-1.0, eps_mistake=1.0, delay=(0.0, 0.0), seed=3)
+    assert all(wrong.rank((0.5, 2.0, -1.0)) != [1, 0, 2] for _ in range(30))
+
+
+def test_a_person_ranks_three_clips_on_the_page_and_the_run_learns_their_orders(tmp_path):
+    from cleanrlhf_utils.rankings import order_labels
+
+    command = [
+        sys.executable, str(REPO / "bench" / "simulated_person.py"), "--seeds", "1", "--modes", "async",
+        "--objective", "windmill-counterclockwise", "--steps", "700", "--explore-steps", "500", "--labels", "3",
+        "--clips-per-query", "3", "--pairs-per-session", "3", "--feedback-frequency", "300", "--evaluation-frequency", "700",
+        "--answer-delay", "0.1", "0.2", "--person-eps-mistake", "0",
+        "--workdir", str(tmp_path / "work"), "--output", str(tmp_path / "out.json"),
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    row = json.loads((tmp_path / "out.json").read_text())["rows"][0]
+    assert row["clips"] == 3 and row["labels"] == row["labels_obtained"] == 3 and row["exactly_once"] and not row["page_errors"]
+    # the clips watched once, together, then one judgement per clip placed after the first (two delays of >= 0.1 s)
+    assert all(a["answered_s"] - a["shown_s"] >= a["clip_seconds"] + 0.2 for a in row["answers"])
+    assert row["person_minutes"] == pytest.approx(sum(a["answered_s"] - a["shown_s"] for a in row["answers"]) / 60)
+    assert row["person_agreement"] == 1.0
+
+    # each label the run keeps is the order the objective gives the three stored segments
+    run_dir = tmp_path / "work" / "runs" / row["run_name"]
+    segments, labels = read_label_file(run_dir / "labels.sqlite")
+    returns = segment_rewards(load_objective("windmill-counterclockwise"), segments, obs_dim=3).sum(-1)
+    assert segments["obs_actions"].shape[1] == 3 and all(len(set(query)) == 3 for query in returns.tolist())  # no ties
+    np.testing.assert_array_equal(labels, order_labels(np.argsort(-returns, axis=1)).astype(np.float32))
+    assert json.loads((run_dir / "args.json").read_text())["clips_per_query"] == 3
