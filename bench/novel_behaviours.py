@@ -53,7 +53,7 @@ BEHAVIOURS = {
 EVALUATION_EPISODES = 5
 
 
-def windmill_ceiling(objective_name: str, seed: int) -> dict:
+def windmill_ceiling(objective_name: str, seed: int, episodes: int) -> dict:
     """Full torque the preferred way at every step, evaluated as the runs are (seeds seed + 100000, ...)."""
     import torch
 
@@ -69,7 +69,7 @@ def windmill_ceiling(objective_name: str, seed: int) -> dict:
     evaluate_episodes(
         FullTorque(),
         WINDMILL,
-        EVALUATION_EPISODES,
+        episodes,
         seed + 100_000,
         "cpu",
         objective=OBJECTIVES[objective_name],
@@ -130,6 +130,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--queries-per-session", type=int, default=10)
     parser.add_argument("--evaluation-frequency", type=int, default=1000)
     parser.add_argument(
+        "--evaluation-episodes",
+        type=int,
+        default=EVALUATION_EPISODES,
+        help="episodes per evaluation, both runs' and the windmill's ceiling",
+    )
+    parser.add_argument(
         "--preference-flags",
         default="",
         help="more sac_rlhf.py flags for the preference runs, one string (with --reset-agent-below-correlation the runs "
@@ -169,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def recorded_ceilings(args) -> dict:
     """(objective, seed) -> the ceiling_* figures of that row of --ceiling-results, once its command is shown to have
-    measured the same ceilings: same behaviour, steps, evaluation frequency and env flags (what the SAC runs saw)."""
+    measured the same ceilings: same behaviour, steps, evaluations and env flags (what the SAC runs saw)."""
     path = args.ceiling_results if args.ceiling_results.is_absolute() else REPO / args.ceiling_results
     recorded_parser = build_parser()
 
@@ -182,7 +188,7 @@ def recorded_ceilings(args) -> dict:
         earlier = recorded_parser.parse_args(shlex.split(recorded["command"])[2:])
     except (OSError, ValueError, KeyError) as error:
         raise SystemExit(f"--ceiling-results {args.ceiling_results}: not a results file of this benchmark ({error!r})") from None
-    for setting in ("behaviour", "steps", "evaluation_frequency", "env_flags"):
+    for setting in ("behaviour", "steps", "evaluation_frequency", "evaluation_episodes", "env_flags"):
         if getattr(earlier, setting) != getattr(args, setting):
             raise SystemExit(
                 f"--ceiling-results {args.ceiling_results}: its ceilings ran with {setting} {getattr(earlier, setting)!r}, "
@@ -217,7 +223,7 @@ def main() -> None:
                 "--learning-starts", str(min(1000, args.explore_steps)), "--teacher-feedback-total-queries", str(args.labels),
                 "--teacher-feedback-num-queries-per-session", str(args.queries_per_session),
                 "--teacher-feedback-frequency", str(args.feedback_frequency), "--evaluation-frequency", str(args.evaluation_frequency),
-                "--evaluation-episodes", str(EVALUATION_EPISODES), "--checkpoint-frequency", str(args.checkpoint_frequency),
+                "--evaluation-episodes", str(args.evaluation_episodes), "--checkpoint-frequency", str(args.checkpoint_frequency),
                 "--torch-threads", "1", "--no-cuda", *shlex.split(args.preference_flags), *shlex.split(args.env_flags),
             ]  # fmt: skip
             script = preference_script(args.preference_flags)
@@ -227,7 +233,7 @@ def main() -> None:
             ceiling_flags = [
                 "--env-id", env_id, "--reward-objective", objective_name, "--seed", str(seed),
                 "--run-name", f"{run_name}__sac", "--total-timesteps", str(args.steps),
-                "--evaluation-frequency", str(args.evaluation_frequency), "--evaluation-episodes", str(EVALUATION_EPISODES),
+                "--evaluation-frequency", str(args.evaluation_frequency), "--evaluation-episodes", str(args.evaluation_episodes),
                 "--checkpoint-frequency", str(args.checkpoint_frequency), "--torch-threads", "1", "--no-cuda",
                 *shlex.split(args.env_flags),
             ]  # fmt: skip
@@ -266,7 +272,7 @@ def main() -> None:
         row |= {f"objective_{name}": summary.get(f"final_objective_{name}") for name in measures}
         row |= last_evaluations(preference_run.parent.parent, preference_run.name, measures)
         if args.behaviour == "windmill":
-            ceiling = windmill_ceiling(objective_name, seed)
+            ceiling = windmill_ceiling(objective_name, seed, args.evaluation_episodes)
             row |= ceiling | {
                 "ceiling_objective_return_last3": ceiling["ceiling_objective_return"],
                 "ceiling_objective_success_last3": ceiling["ceiling_objective_success"],
@@ -311,6 +317,7 @@ def main() -> None:
         [f"--behaviour {args.behaviour}", "--seeds " + " ".join(map(str, args.seeds)), f"--steps {args.steps}", f"--labels {args.labels}"]
         + [f"--explore-steps {args.explore_steps}", f"--feedback-frequency {args.feedback_frequency}"]
         + [f"--queries-per-session {args.queries_per_session}", f"--evaluation-frequency {args.evaluation_frequency}"]
+        + ([f"--evaluation-episodes {args.evaluation_episodes}"] if args.evaluation_episodes != EVALUATION_EPISODES else [])
         + ([f"--preference-flags={shlex.quote(args.preference_flags)}"] if args.preference_flags else [])
         + ([f"--env-flags={shlex.quote(args.env_flags)}"] if args.env_flags else [])
         + ([f"--ceiling-from {relative(args.ceiling_from)}"] if args.ceiling_from else [])

@@ -13,15 +13,15 @@ REPO = Path(__file__).resolve().parents[1]
 
 BENCH = [
     sys.executable, str(REPO / "bench/novel_behaviours.py"), "--behaviour", "hopper-backflip", "--seeds", "2",
-    "--labels", "4", "--explore-steps", "200", "--feedback-frequency", "200", "--queries-per-session", "2",
-    "--evaluation-frequency", "300",
+    "--labels", "4", "--explore-steps", "200", "--feedback-frequency", "100", "--queries-per-session", "2",
+    "--evaluation-frequency", "200", "--evaluation-episodes", "1",
 ]  # fmt: skip
 
 
 def test_the_backflip_bench_runs_sac_on_the_objective_beside_each_preference_run(tmp_path):
     from test_end_to_end import scalars
 
-    command = [*BENCH, "--steps", "600", "--workdir", str(tmp_path / "work"), "--output", str(tmp_path / "backflip.json")]
+    command = [*BENCH, "--steps", "400", "--workdir", str(tmp_path / "work"), "--output", str(tmp_path / "backflip.json")]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     report = json.loads((tmp_path / "backflip.json").read_text())
@@ -31,8 +31,8 @@ def test_the_backflip_bench_runs_sac_on_the_objective_beside_each_preference_run
     ceiling_run = runs / f"{preference_run.name}__sac"
     ceiling_args = json.loads((ceiling_run / "args.json").read_text())
     assert ceiling_args["reward_objective"] == "hopper-backflip" and ceiling_args["seed"] == 2
-    assert ceiling_args["total_timesteps"] == 600 and ceiling_args["terminate_when_unhealthy"] is False  # set by the objective
-    # Neither fall nor tilt ends an episode: no episode of either run ends in 600 steps (Hopper's time limit is 1000).
+    assert ceiling_args["total_timesteps"] == 400 and ceiling_args["terminate_when_unhealthy"] is False  # set by the objective
+    # Neither fall nor tilt ends an episode: no episode of either run ends in 400 steps (Hopper's time limit is 1000).
     for run in (preference_run, ceiling_run):
         recorded = json.loads((run / "args.json").read_text())
         assert recorded["terminate_when_unhealthy"] is False and recorded["terminate_when_tilted"] is False
@@ -45,17 +45,17 @@ def test_the_backflip_bench_runs_sac_on_the_objective_beside_each_preference_run
     # beside the torso-height counter's flips, the landed ones, for both runs and over their evaluations
     assert row["objective_landed_backflips"] == preference["final_objective_landed_backflips"]
     assert row["ceiling_objective_landed_backflips"] == ceiling["final_objective_landed_backflips"]
-    assert [step for step, _ in row["ceiling_objective_landed_backflips_curve"]] == [300, 600]
+    assert [step for step, _ in row["ceiling_objective_landed_backflips_curve"]] == [200, 400]
     assert row["return_ratio"] == pytest.approx(preference["final_objective_return"] / ceiling["final_objective_return"])
     assert "--explore-steps 200" in report["command"] and "--queries-per-session 2" in report["command"]
     # The evaluations over the run, from TensorBoard: the last is the summary's final one; two are too few for a last-3 mean.
-    assert [step for step, _ in row["objective_curve"]] == [300, 600]
+    assert [step for step, _ in row["objective_curve"]] == [200, 400]
     assert row["objective_curve"][-1][1] == pytest.approx(preference["final_objective_return"], rel=1e-5)
     assert row["ceiling_objective_success_curve"][-1][1] == pytest.approx(ceiling["final_objective_success"], rel=1e-5)
     assert row["objective_return_last3"] is None and "return_ratio_last3" not in row
 
     # --reuse-finished in the same workdir reads both finished runs and starts nothing.
-    reuse = [*BENCH, "--steps", "600", "--workdir", str(tmp_path / "work"), "--output", str(tmp_path / "reuse.json")]
+    reuse = [*BENCH, "--steps", "400", "--workdir", str(tmp_path / "work"), "--output", str(tmp_path / "reuse.json")]
     result = subprocess.run([*reuse, "--reuse-finished"], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert sorted(path.name for path in runs.iterdir()) == sorted([preference_run.name, ceiling_run.name])
@@ -64,7 +64,7 @@ def test_the_backflip_bench_runs_sac_on_the_objective_beside_each_preference_run
     assert "--reuse-finished" in reused["command"]
 
     # Another invocation reads that ceiling instead of running SAC again, with its own preference flags.
-    again = [*BENCH, "--steps", "600", "--workdir", str(tmp_path / "again"), "--output", str(tmp_path / "again.json")]
+    again = [*BENCH, "--steps", "400", "--workdir", str(tmp_path / "again"), "--output", str(tmp_path / "again.json")]
     again += ["--ceiling-from", str(tmp_path / "work"), "--preference-flags=--no-surf --reward-ensemble-size 2"]
     result = subprocess.run(again, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
@@ -74,14 +74,14 @@ def test_the_backflip_bench_runs_sac_on_the_objective_beside_each_preference_run
     run_args = json.loads((run / "args.json").read_text())
     assert run_args["surf"] is False and run_args["reward_ensemble_size"] == 2
 
-    # Ceilings of other settings are refused before anything runs: the same seed and objective, but 600 steps, not 900.
+    # Ceilings of other settings are refused before anything runs: the same seed and objective, but 400 steps, not 900.
     other = [*BENCH, "--steps", "900", "--workdir", str(tmp_path / "other"), "--output", str(tmp_path / "other.json")]
     result = subprocess.run([*other, "--ceiling-from", str(tmp_path / "work")], capture_output=True, text=True, timeout=600)
     assert result.returncode != 0 and "no SAC run there started with" in result.stderr and "--total-timesteps 900" in result.stderr
     assert not (tmp_path / "other").exists()
 
     # On a machine where that workdir is gone, the results file it wrote stands in: its ceiling figures are copied.
-    recorded = [*BENCH, "--steps", "600", "--workdir", str(tmp_path / "recorded"), "--output", str(tmp_path / "recorded.json")]
+    recorded = [*BENCH, "--steps", "400", "--workdir", str(tmp_path / "recorded"), "--output", str(tmp_path / "recorded.json")]
     result = subprocess.run([*recorded, "--ceiling-results", str(tmp_path / "backflip.json")], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     report = json.loads((tmp_path / "recorded.json").read_text())
@@ -95,7 +95,7 @@ def test_the_backflip_bench_runs_sac_on_the_objective_beside_each_preference_run
     assert f"--ceiling-results {tmp_path / 'backflip.json'}" in report["command"]
     assert [run.name.endswith("__sac") for run in (tmp_path / "recorded" / "runs").iterdir()] == [False]
     # Ceilings of other steps, or of a seed the file lacks, are refused in one line before anything runs.
-    for wrong, named in ((["--steps", "900"], "steps 600"), (["--steps", "600", "--seeds", "3"], "seed 3")):
+    for wrong, named in ((["--steps", "900"], "steps 400"), (["--steps", "400", "--seeds", "3"], "seed 3")):
         wrong_args = [*BENCH, *wrong, "--workdir", str(tmp_path / "wrong"), "--ceiling-results", str(tmp_path / "backflip.json")]
         result = subprocess.run(wrong_args, capture_output=True, text=True, timeout=600)
         assert result.returncode != 0 and named in result.stderr and len(result.stderr.strip().splitlines()) == 1
@@ -104,7 +104,7 @@ def test_the_backflip_bench_runs_sac_on_the_objective_beside_each_preference_run
     tampered = json.loads((tmp_path / "backflip.json").read_text())
     tampered["command"] += " --no-such-flag"
     (tmp_path / "tampered.json").write_text(json.dumps(tampered))
-    wrong_args = [*BENCH, "--steps", "600", "--workdir", str(tmp_path / "wrong"), "--ceiling-results", str(tmp_path / "tampered.json")]
+    wrong_args = [*BENCH, "--steps", "400", "--workdir", str(tmp_path / "wrong"), "--ceiling-results", str(tmp_path / "tampered.json")]
     result = subprocess.run(wrong_args, capture_output=True, text=True, timeout=600)
     assert result.returncode != 0 and "--no-such-flag" in result.stderr and len(result.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "wrong").exists()
