@@ -182,11 +182,11 @@ def poetry_section() -> str:
     return INSTALLING.split("\n## Poetry\n", 1)[1].split("\n## ", 1)[0]
 
 
-# A few thousand steps of PEBBLE, with two feedback sessions, on networks small enough for a shared CPU.
+# A thousand steps of PEBBLE, with two feedback sessions, on networks small enough for a shared CPU.
 TINY_PEBBLE = [
-    "--total-timesteps", "2000", "--learning-starts", "200", "--total-explore-steps", "400",
+    "--total-timesteps", "1000", "--learning-starts", "200", "--total-explore-steps", "400",
     "--teacher-feedback-total-queries", "20", "--teacher-feedback-num-queries-per-session", "10",
-    "--teacher-feedback-frequency", "1000", "--segment-length", "20", "--max-augmentation-offset", "5",
+    "--teacher-feedback-frequency", "500", "--segment-length", "20", "--max-augmentation-offset", "5",
     "--min-augmentation-offset", "2", "--batch-size", "64", "--actor-hidden-dim", "64", "--critic-hidden-dim", "64",
     "--reward-net-hidden-dim", "64", "--reward-net-epochs", "5", "--explore-knn-sample-size", "500",
     "--evaluation-frequency", "0", "--evaluation-episodes", "1", "--checkpoint-frequency", "0", "--no-progress-bar",
@@ -265,7 +265,7 @@ def test_poetry_installs_a_clean_clone_at_the_locked_versions_and_trains(poetry,
     done = poetry_command(run, 1200, *TINY_PEBBLE, "--run-name", "poetry")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     summary = json.loads((clone / "runs" / "poetry" / "summary.json").read_text())
-    assert summary["global_step"] == 2000 and summary["labels_obtained"] == 20 and not summary["interrupted"]
+    assert summary["global_step"] == 1000 and summary["labels_obtained"] == 20 and not summary["interrupted"]
 
 
 def test_quick_start_demo_is_a_run_script():

@@ -127,9 +127,9 @@ def test_the_script_applies_human_defaults_from_its_command_line(tmp_path):
 # A run says its name and where its outputs go; Ctrl-C says the command that resumes it, and that command does
 # ----------------------------------------------------------------------------------------
 TINY_PEBBLE = [
-    "--env-id", "Hopper-v5", "--total-timesteps", "3400", "--learning-starts", "200", "--total-explore-steps", "400",
+    "--env-id", "Hopper-v5", "--total-timesteps", "1800", "--learning-starts", "200", "--total-explore-steps", "400",
     "--teacher-feedback-total-queries", "20", "--teacher-feedback-num-queries-per-session", "10",
-    "--teacher-feedback-frequency", "1000", "--segment-length", "20", "--max-augmentation-offset", "5",
+    "--teacher-feedback-frequency", "600", "--segment-length", "20", "--max-augmentation-offset", "5",
     "--min-augmentation-offset", "2", "--batch-size", "64", "--actor-hidden-dim", "64", "--critic-hidden-dim", "64",
     "--reward-net-hidden-dim", "64", "--reward-net-epochs", "5", "--explore-knn-sample-size", "500",
     "--evaluation-frequency", "0", "--evaluation-episodes", "1", "--checkpoint-frequency", "0", "--no-progress-bar",
@@ -167,7 +167,7 @@ def test_ctrl_c_prints_the_command_that_resumes_the_run(tmp_path, stop, code):
     assert line == f"run {run_name}: logs and summary in runs/{run_name}, checkpoints in models/{run_name}"
     assert (tmp_path / "runs" / run_name / "summary.json").is_file() and (tmp_path / "models" / run_name / "latest").is_dir()
     interrupted_at = json.loads((tmp_path / "runs" / run_name / "summary.json").read_text())["global_step"]
-    assert 400 <= interrupted_at < 3400
+    assert 400 <= interrupted_at < 1800
     said = [line for line in stdout.splitlines() if line.startswith("to resume: ")]
     assert len(said) == 1, stdout
     command = shlex.split(said[0].removeprefix("to resume: "))
@@ -179,7 +179,7 @@ def test_ctrl_c_prints_the_command_that_resumes_the_run(tmp_path, stop, code):
     assert f"resumed {run_name} at step {interrupted_at} with" in resumed.stdout
     assert startup_line(resumed.stdout)[0] == run_name
     summary = json.loads((tmp_path / "runs" / run_name / "summary.json").read_text())
-    assert summary["global_step"] == 3400 and not summary["interrupted"]
+    assert summary["global_step"] == 1800 and not summary["interrupted"]
 
 
 def test_pref_ppo_says_its_outputs_and_stops_at_ctrl_c_with_its_checkpoint(chdir_tmp, monkeypatch, capsys):
