@@ -544,8 +544,10 @@ MEASUREMENT_COLUMNS = {
     # per seed in docs/human-feedback.md (the measurements page, whose medians have no seed column, shows them all)
     "simulated_person": [
         "mode",
+        "clips",
         "seed",
         "labels",
+        "person_minutes",
         "exactly_once",
         "first_pair_s",
         "labels_per_min",
@@ -792,7 +794,7 @@ def summary_table(spec: dict, results: dict[str, dict]) -> list[str]:
     return lines
 
 
-NEWER_COLUMNS = {"flipped", "flipped_wrong", "trusted_wrong"}
+NEWER_COLUMNS = {"flipped", "flipped_wrong", "trusted_wrong", "clips", "person_minutes"}
 """MEASUREMENT_COLUMNS that files written before them lack: shown only where some row has them."""
 
 
