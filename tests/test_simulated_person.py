@@ -17,13 +17,17 @@ if not Path("/usr/bin/chromium").exists():
     pytest.skip("/usr/bin/chromium is missing (bash dev/install_test_deps.sh)", allow_module_level=True)
 pytest.importorskip("playwright.sync_api", reason="playwright is missing (pip install playwright)")
 
+# the trainer's networks, small: what the person does through the page does not depend on them
+SMALL_NETWORKS = "--batch-size 64 --actor-hidden-dim 64 --critic-hidden-dim 64 --reward-net-hidden-dim 64"
+
 
 def test_a_person_on_the_page_gives_the_run_labels_that_prefer_what_they_want(tmp_path):
     command = [
-        sys.executable, str(REPO / "bench" / "simulated_person.py"), "--seeds", "1", "--modes", "async",
-        "--objective", "windmill-counterclockwise", "--steps", "1500", "--explore-steps", "500", "--labels", "6",
-        "--pairs-per-session", "3", "--feedback-frequency", "300", "--evaluation-frequency", "1500",
-        "--answer-delay", "0", "0.2", "--person-eps-mistake", "0", "--robust-labels", "smooth", "--preference-flags=--label-mistake-rate 0.2",
+        sys.executable, str(REPO / "bench" / "simulated_person.py"), "--seeds", "1", "--modes", "sync",
+        "--objective", "windmill-counterclockwise", "--steps", "1000", "--explore-steps", "500", "--labels", "6",
+        "--pairs-per-session", "3", "--feedback-frequency", "300", "--evaluation-frequency", "1000",
+        "--answer-delay", "0", "0.2", "--person-eps-mistake", "0", "--robust-labels", "smooth",
+        f"--preference-flags=--label-mistake-rate 0.2 {SMALL_NETWORKS}",
         "--workdir", str(tmp_path / "work"),
         "--output", str(tmp_path / "out.json"),
     ]  # fmt: skip
@@ -85,7 +89,7 @@ def test_a_person_ranks_three_clips_on_the_page_and_the_run_learns_their_orders(
         sys.executable, str(REPO / "bench" / "simulated_person.py"), "--seeds", "1", "--modes", "async",
         "--objective", "windmill-counterclockwise", "--steps", "700", "--explore-steps", "500", "--labels", "3",
         "--clips-per-query", "3", "--pairs-per-session", "3", "--feedback-frequency", "300", "--evaluation-frequency", "700",
-        "--answer-delay", "0.1", "0.2", "--person-eps-mistake", "0",
+        "--answer-delay", "0.1", "0.2", "--person-eps-mistake", "0", f"--preference-flags={SMALL_NETWORKS}",
         "--workdir", str(tmp_path / "work"), "--output", str(tmp_path / "out.json"),
     ]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)

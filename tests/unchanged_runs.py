@@ -38,23 +38,23 @@ PINNED = {
 }
 """the child's environment beside the caller's: one instruction set and one thread, whatever the host offers"""
 
-# Steps cut to a few hundred SAC updates, three feedback sessions of reward fits of at most 10 epochs (a fit to its
-# stopping accuracy took most of a run's time), one evaluation at the end; every other setting is the default's or the
-# preset's. PrefPPO: two iterations of 1024 steps with a session after each.
+# Steps cut to a few hundred SAC updates, two or three feedback sessions of reward fits of at most 10 epochs (a fit to
+# its stopping accuracy took most of a run's time), one evaluation at the end; every other setting is the default's or
+# the preset's. PrefPPO: two iterations of 1024 steps with a session after each.
 QUERIES = [
     *["--teacher-feedback-total-queries", "30", "--teacher-feedback-num-queries-per-session", "10"],
     *["--reward-net-epochs", "10"],
 ]
 ENDING = ["--evaluation-frequency", "0", "--evaluation-episodes", "1", "--checkpoint-frequency", "0", "--no-progress-bar"]
 SHORT_PEBBLE = [
-    *["--total-timesteps", "600", "--learning-starts", "200", "--total-explore-steps", "300"],
+    *["--total-timesteps", "500", "--learning-starts", "200", "--total-explore-steps", "300"],
     *["--teacher-feedback-frequency", "100", *QUERIES, *ENDING],
 ]
 # The dm_control presets' SAC (2 x 1024 units, batch 1024, the actor every step) costs half a second an update on one
-# core: their runs learn from step 295, with sessions every 20 steps, to keep three sessions in 55 updates.
+# core: their runs learn from step 295, with sessions every 10 steps, to keep three sessions in 30 updates.
 SHORT_DMC = [
-    *["--total-timesteps", "350", "--learning-starts", "295", "--total-explore-steps", "300"],
-    *["--teacher-feedback-frequency", "20", *QUERIES, *ENDING],
+    *["--total-timesteps", "325", "--learning-starts", "295", "--total-explore-steps", "300"],
+    *["--teacher-feedback-frequency", "10", *QUERIES, *ENDING],
 ]
 SHORT_PREF_PPO = [
     *["--total-timesteps", "3072", "--num-steps", "1024", "--num-minibatches", "4", "--update-epochs", "2"],
