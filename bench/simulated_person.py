@@ -7,7 +7,7 @@ each session's answers) and once with --feedback-async. The behaviour is the win
 
     python bench/simulated_person.py                                  # windmill clockwise, seeds 1 2 3, async and sync
     python bench/simulated_person.py --seeds 1 --modes async --objective windmill-counterclockwise
-    python bench/simulated_person.py --modes async --clips-per-query 2 3 4 --labels 60 30 20   # pairs against rankings
+    python bench/simulated_person.py --modes async --clips-per-query 2 3 4 --labels 30 13 9   # pairs against rankings
 
 With --clips-per-query k > 2 the trainer asks for rankings of k clips and the person orders them in the page (keys
 1..k best first, then Enter). Their time model: the clips play together and are watched once, then every clip placed
@@ -61,7 +61,7 @@ from novel_behaviours import WINDMILL
 
 from cleanrlhf_utils.feedback import FeedbackClient, FeedbackServerUnreachable, SyntheticTeacher
 from cleanrlhf_utils.protocol import TOKEN_ENV  # read by the trainer when no --feedback-server-token is given
-from cleanrlhf_utils.rankings import MAX_CLIPS, orders
+from cleanrlhf_utils.rankings import MAX_CLIPS, clip_pairs, orders
 
 CHROMIUM = "/usr/bin/chromium"
 
@@ -128,11 +128,7 @@ def agreement(order: list[int], returns: tuple[float, ...]) -> float | None:
     """The share of the answer's clip pairs that it orders as the objective does (pairs the objective ties left out);
     None when the objective ties them all. `order`: the clips best first."""
     place = {clip: rank for rank, clip in enumerate(order)}
-    judged = [
-        (place[i] < place[j]) == (returns[i] > returns[j])
-        for i, j in itertools.combinations(range(len(returns)), 2)
-        if returns[i] != returns[j]
-    ]
+    judged = [(place[i] < place[j]) == (returns[i] > returns[j]) for i, j in zip(*clip_pairs(len(returns))) if returns[i] != returns[j]]
     return statistics.mean(judged) if judged else None
 
 
