@@ -214,7 +214,8 @@ def test_the_browser_keeps_no_token_and_its_history_no_live_login(server, browse
         page.on("response", lambda r: answered_clips.add(r.url.split("?")[0]) if "/clips/" in r.url else None)
         link = log_in(page, server["base"])
         page.goto(f"{server['base']}/#rewards")
-        page.wait_for_function("() => document.querySelectorAll('#rewards-list video').length === 2", timeout=20_000)
+        # A fresh profile beside a loaded CI worker once took past 20 s to put the two clips' elements on the page.
+        page.wait_for_function("() => document.querySelectorAll('#rewards-list video').length === 2", timeout=120_000)
         # The server's answers, not the decoder's metadata: a fresh profile's media pipeline beside a loaded CI worker
         # took from 30 s to past 120 s to report readyState 1 for clips whose responses were long in.
         deadline = time.monotonic() + 60
