@@ -39,7 +39,7 @@ from cleanrlhf_utils.feedback import (
     FeedbackArgs,
     FeedbackSession,
     LabelLog,
-    check_clips_per_query,
+    check_query_kind,
     check_teacher_objective,
     make_teacher,
     record_labels,
@@ -50,6 +50,7 @@ from cleanrlhf_utils.networks import ensemble_mlp
 from cleanrlhf_utils.objectives import check_objective_settings, episode_end, load_objective
 from cleanrlhf_utils.presets import PresetArgs
 from cleanrlhf_utils.rankings import CLIPS_PER_QUERY_RANGE, clip_pairs, orders, pair_labels
+from cleanrlhf_utils.ratings import clip_ratings
 from cleanrlhf_utils.run import IterationStart, Run, RunArgs
 from cleanrlhf_utils.speed import kth_nearest_distance
 from cleanrlhf_utils.tracking import log_feedback_session, log_update
@@ -172,6 +173,9 @@ class PreferenceArgs:
     clips_per_query: int = 2
     """clips in each query: 2 asks which of a pair is better; 3 to 6 ask for a ranking of that many clips, learned with
     the Plackett-Luce likelihood (the synthetic teacher or --teacher-feedback-mode file; docs/pebble.md)"""
+    rating_scale: int = 0
+    """0: a query's clips are compared or ranked; 2 to 10: the teacher rates each clip from 1 (worst) to this, learned
+    with the ordered-logit likelihood on the same segment returns (docs/pebble.md)"""
     preference_sampling: Literal["uniform", "disagree", "entropy"] = "disagree"
     """how pairs are chosen from the candidate pool"""
     preference_sampling_pool_factor: int = 10
@@ -577,7 +581,38 @@ class PlackettLuce(BradleyTerry):
         return super().loss(returns, labels) if returns.shape[-1] == 2 else self.order_loss(returns, labels)
 
 
-PREFERENCE_MODEL = PlackettLuce()
+class OrderedLogit(PlackettLuce):
+    """Comparisons and rankings as Plackett-Luce, and ratings of clips on a scale of n points by the ordered logit on
+    the same segment returns: the teacher rates a clip of return R above point c with probability sigmoid(R - cut_c),
+    where cut_1 < ... < cut_(n-1) are the reward model's own, learned with it (RewardEnsemble.rating_cuts). One model,
+    two likelihoods on one return axis: a rating places a clip's return against the cuts, a comparison two returns
+    against each other, and a loss over labels of both kinds is the sum of their negative log-likelihoods (a rating
+    run's labelled ratings and SURF's pseudo-labelled pairs, say). A rating label holds its clips' ratings as digits
+    (cleanrlhf_utils.ratings)."""
+
+    def rating_probabilities(self, returns: torch.Tensor, cuts: torch.Tensor) -> torch.Tensor:
+        """P(rating = c) of each clip, c = 0 .. n - 1: returns (E, ..., k), cuts (E, n - 1) -> (E, ..., k, n)."""
+        cuts = cuts.reshape(cuts.shape[0], *[1] * (returns.dim() - 1), cuts.shape[-1])
+        above = torch.sigmoid(returns[..., None] - cuts)  # P(rating > c), c = 0 .. n - 2
+        ones = torch.ones_like(above[..., :1])
+        return torch.cat([ones, above], dim=-1) - torch.cat([above, torch.zeros_like(ones)], dim=-1)
+
+    def rating_loss(self, returns: torch.Tensor, labels: torch.Tensor, cuts: torch.Tensor) -> torch.Tensor:
+        """The ratings' negative log-likelihood, summed over each query's clips and averaged over queries (and
+        members): returns (E, b, k), labels (E, b) as cleanrlhf_utils.ratings writes them."""
+        scale = cuts.shape[-1] + 1
+        digits = scale ** torch.arange(returns.shape[-1], device=returns.device)
+        ratings = labels.long()[..., None] // digits % scale  # (E, b, k)
+        given = self.rating_probabilities(returns, cuts).gather(-1, ratings[..., None]).squeeze(-1)
+        return -given.clamp_min(1e-7).log().sum(-1).mean()
+
+    def loss(self, returns: torch.Tensor, labels: torch.Tensor, cuts: torch.Tensor | None = None) -> torch.Tensor:
+        """The labels' negative log-likelihood, averaged over queries (and members): ratings' with the reward model's
+        cuts (RewardEnsemble.rating_cuts), else comparisons' and rankings'."""
+        return super().loss(returns, labels) if cuts is None else self.rating_loss(returns, labels, cuts)
+
+
+PREFERENCE_MODEL = OrderedLogit()
 """the preference model every part of preference learning asks (looked up at each call)"""
 
 RELABEL_CHUNK = 1024
@@ -587,14 +622,25 @@ RELABEL_CHUNK = 1024
 class RewardEnsemble(nn.Module):
     """r_e(s, a) for every member e in one batched network; outputs lie in (-1, 1) (tanh, as PEBBLE)."""
 
-    def __init__(self, input_dim: int, ensemble_size=3, hidden_dim=256, hidden_layers=3, dropout: float = 0.0):
+    def __init__(self, input_dim: int, ensemble_size=3, hidden_dim=256, hidden_layers=3, dropout=0.0, rating_scale=0):
         super().__init__()
-        self.ensemble_size = ensemble_size
+        self.ensemble_size, self.rating_scale = ensemble_size, rating_scale
         size = (hidden_dim, hidden_layers, 1)
         self.net = ensemble_mlp(ensemble_size, input_dim, *size, activation=nn.LeakyReLU, dropout=dropout)
         # Identity until set_input_statistics: raw inputs generalised worse to the policy's later data (reward_learning)
         self.register_buffer("input_mean", torch.zeros(input_dim))
         self.register_buffer("input_std", torch.ones(input_dim))
+        if rating_scale:  # the ordered logit's cut points (rating_cuts), each member's: centred, a return apart
+            first = torch.full((ensemble_size, 1), -(rating_scale - 2) / 2)
+            gaps = torch.full((ensemble_size, rating_scale - 2), math.log(math.e - 1))  # softplus of it is 1
+            self.rating_cut_parameters = nn.Parameter(torch.cat([first, gaps], dim=-1))
+
+    def rating_cuts(self) -> torch.Tensor | None:
+        """The ordered logit's cut points on the segment-return axis, increasing: (E, n - 1); None without ratings."""
+        if not self.rating_scale:
+            return None
+        first, gaps = self.rating_cut_parameters[:, :1], F.softplus(self.rating_cut_parameters[:, 1:])
+        return torch.cat([first, first + gaps.cumsum(-1)], dim=-1)
 
     def set_input_statistics(self, rows: np.ndarray) -> None:
         """Standardise inputs with the mean and std of `rows` (N, D); constant columns are only centred."""
@@ -616,18 +662,23 @@ class RewardEnsemble(nn.Module):
         return torch.tanh(out).reshape(shape)
 
 
-def preference_probabilities(model: RewardEnsemble, segments, masks, chunk: int = 10) -> torch.Tensor:
-    """P_e(segment 1 > segment 0) for each member: segments (N, 2, L, D), masks (N, 2, L) -> (E, N), in eval mode (of
-    k clips, (N, k, L, D): each pair of them, (E, N, P), PREFERENCE_MODEL.probability). Scored `chunk` queries at a
-    time: a query pool in one pass held over 1 GB of activations at 1000 pairs, and about 1000 rows a pass is also the
-    fastest (bench/relabel.py)."""
+def segment_returns(model: RewardEnsemble, segments, masks, chunk: int = 10) -> torch.Tensor:
+    """Each member's predicted return of each clip: segments (N, k, L, D), masks (N, k, L) -> (E, N, k), in eval mode.
+    Scored `chunk` queries at a time: a query pool in one pass held over 1 GB of activations at 1000 pairs, and about
+    1000 rows a pass is also the fastest (bench/relabel.py)."""
     was_training = model.training
     model.eval()
     with torch.no_grad():
-        pairs = zip(segments.split(chunk), masks.split(chunk))
-        returns = torch.cat([(model(s) * m).sum(-1) for s, m in pairs], dim=1)
+        queries = zip(segments.split(chunk), masks.split(chunk))
+        returns = torch.cat([(model(s) * m).sum(-1) for s, m in queries], dim=1)
     model.train(was_training)
-    return PREFERENCE_MODEL.probability(returns)
+    return returns
+
+
+def preference_probabilities(model: RewardEnsemble, segments, masks, chunk: int = 10) -> torch.Tensor:
+    """P_e(segment 1 > segment 0) for each member: segments (N, 2, L, D), masks (N, 2, L) -> (E, N), in eval mode (of
+    k clips, (N, k, L, D): each pair of them, (E, N, P), PREFERENCE_MODEL.probability)."""
+    return PREFERENCE_MODEL.probability(segment_returns(model, segments, masks, chunk))
 
 
 def disagreement_scores(probabilities: torch.Tensor) -> torch.Tensor:
@@ -708,9 +759,25 @@ class PreferenceBuffer:
             setattr(self, name, np.asarray(state[name]))
 
 
+def rating_accuracy(model: RewardEnsemble, prefs: PreferenceBuffer, indices, device, chunk: int = 256) -> float:
+    """The share of the rated clips at `indices` whose most likely rating under the ensemble-mean ordered logit is the
+    one given."""
+    correct, cuts = 0, model.rating_cuts().detach()
+    for start in range(0, len(indices), chunk):
+        batch = indices[start : start + chunk]
+        segs = torch.as_tensor(prefs.obs_actions[batch], device=device)
+        masks = torch.as_tensor(prefs.masks[batch], device=device, dtype=torch.float32)
+        probabilities = PREFERENCE_MODEL.rating_probabilities(segment_returns(model, segs, masks), cuts).mean(0)
+        given = clip_ratings(prefs.labels[batch], prefs.clips, model.rating_scale)
+        correct += int((probabilities.argmax(-1).cpu().numpy() == given).sum())
+    return correct / (len(indices) * prefs.clips) if len(indices) else float("nan")
+
+
 def preference_accuracy(model: RewardEnsemble, prefs: PreferenceBuffer, indices, device, chunk: int = 256) -> float:
     """Agreement of the ensemble-mean preference with the non-tie labels at `indices` (of rankings: with every pair of
-    their clips, cleanrlhf_utils.rankings.pair_labels)."""
+    their clips, cleanrlhf_utils.rankings.pair_labels; of ratings: rating_accuracy)."""
+    if model.rating_scale:
+        return rating_accuracy(model, prefs, indices, device, chunk)
     indices = indices[prefs.labels[indices] != 0.5]
     if len(indices) == 0:
         return float("nan")
@@ -813,8 +880,9 @@ def surf_loss(model: RewardEnsemble, rb: ReplayBuffer, num_pairs: int, args, rng
 def reward_epoch(model: RewardEnsemble, optimizer, pairs: tuple, active, rb, args, rng, device, loss_fn=None) -> dict:
     """One epoch over the labelled pairs (segments, masks, labels) at `active`: every member sees its own shuffle, each
     pair once plus --qpa-augmentations cropped copies (all copies cropped with SURF), with SURF's pseudo-label loss.
-    `loss_fn(returns, labels)`: the labelled pairs' loss (default: PREFERENCE_MODEL.loss)."""
-    loss_fn = loss_fn or PREFERENCE_MODEL.loss
+    `loss_fn(returns, labels)`: the labelled pairs' loss (default: PREFERENCE_MODEL.loss, of ratings with the model's
+    cuts). A rated clip is never cropped."""
+    loss_fn = loss_fn or (lambda returns, labels: PREFERENCE_MODEL.loss(returns, labels, model.rating_cuts()))
     all_segments, all_masks, all_labels = pairs
     ensemble, labelled, copies = model.ensemble_size, len(active), 1 + args.qpa_augmentations
     offsets = (args.min_augmentation_offset, args.max_augmentation_offset)
@@ -825,9 +893,10 @@ def reward_epoch(model: RewardEnsemble, optimizer, pairs: tuple, active, rb, arg
         chosen = active[batch % labelled]
         segments, masks, labels = all_segments[chosen], all_masks[chosen], all_labels[chosen]
         cropped = batch >= labelled
-        if args.surf:  # every copy cropped: cut the crops out, the steps outside them are not computed
+        crop = not model.rating_scale  # a rating judges the whole clip: a crop's return lies elsewhere on its scale
+        if args.surf and crop:  # every copy cropped: cut the crops out, the steps outside them are not computed
             segments, masks = crop_segments(segments, masks, *offsets)
-        elif cropped.any():  # only QPA's copies: mask them, their batch mixes with whole segments
+        elif cropped.any() and crop:  # only QPA's copies: mask them, their batch mixes with whole segments
             _, crops = crop_segments(segments, masks, *offsets, cut_out=False)
             masks = torch.where(cropped[..., None, None].to(device), crops, masks)
         returns = (model.forward_members(segments) * masks).sum(-1)  # (E, b, clips)
@@ -938,7 +1007,7 @@ def validate_preference_args(args) -> None:
     )
     check_objective_settings(args)  # the env it is for, and the settings it needs
     validate_feedback_args(args)
-    check_clips_per_query(args)
+    check_query_kind(args)
     validate_checkpoint_args(args)
 
 
@@ -1090,7 +1159,8 @@ def main(args: Args, on_evaluation=None, reward_training: Callable | None = None
         agent = Agent(obs_dim, action_space, *hidden).to(device)
         optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5, fused=True)
         reward_net = (args.reward_ensemble_size, args.reward_net_hidden_dim, args.reward_net_hidden_layers)
-        reward_model = RewardEnsemble(obs_dim + action_input_dim, *reward_net).to(device)
+        reward_model = RewardEnsemble(obs_dim + action_input_dim, *reward_net, rating_scale=args.rating_scale)
+        reward_model = reward_model.to(device)
         reward_optimizer = torch.optim.Adam(reward_model.parameters(), lr=args.reward_net_lr, fused=True)
         rb = ReplayBuffer(min(args.buffer_size, args.total_timesteps), obs_dim, action_input_dim, state_dim)
         prefs = PreferenceBuffer(args.segment_length, obs_dim + action_input_dim, state_dim, args.clips_per_query)
@@ -1099,7 +1169,7 @@ def main(args: Args, on_evaluation=None, reward_training: Callable | None = None
         return_rms = ReturnNormalizer(args.num_envs, args.gamma, enabled=args.normalize_reward)
         intrinsic_rms, episodes = RunningMoments(), EpisodeTracker(args.num_envs)
         teacher = cleanup.enter_context(contextlib.closing(make_teacher(args, rb, run.name, run.dir, run.video_dir)))
-        label_log = cleanup.enter_context(contextlib.closing(LabelLog(run.dir / "labels.sqlite")))
+        label_log = cleanup.enter_context(contextlib.closing(LabelLog(run.dir / "labels.sqlite", args.rating_scale)))
         free = teacher.labels_are_free  # asking costs nothing: accuracy is measured on fresh pairs, no label held out
         heldout_fraction = 0.0 if free else args.reward_net_heldout_fraction
         budget = (args.teacher_feedback_total_queries, args.teacher_feedback_num_queries_per_session)

@@ -39,7 +39,8 @@ Routes, in four blueprints (errors are 4xx with ``{"error": "..."}`` and change 
          POST /api/runs                          trainer: {name, env_id?, meta? (<= 64 KiB)} -> 201 {run_id} (200 if it exists)
          POST /api/runs/<run_id>/queries         trainer: multipart: 'queries' JSON list + clip files -> 201 {query_ids}; an
                                                  entry is a pair {left_clip, right_clip, left_segment_id, right_segment_id,
-                                                 session} or a ranking of 3 to 6 clips {clips, segment_ids, session}
+                                                 session}, a ranking of 3 to 6 clips {clips, segment_ids, session},
+                                                 or 2 to 6 clips to rate {clips, segment_ids, session, rating_scale}
          GET  /api/runs/<run_id>/answers?after=  trainer: {answers, cursor} (see below)
          GET  /api/runs/<run_id>/status          trainer: {queries, labelled, pending, choices}
          POST /api/runs/<run_id>/progress        trainer: its news {step, phase, total_steps?, sessions_done?, sessions_total?,
@@ -56,7 +57,9 @@ Routes, in four blueprints (errors are 4xx with ``{"error": "..."}`` and change 
                                                  its session's progress), or {waiting: true, training?: [reports]};
                                                  429 when the asker holds MAX_LEASES_PER_ANNOTATOR pairs already
          POST /api/queries/<query_id>/label      {choice, annotator} (a ranking: {ranking: [clip positions, best first],
-                                                 annotator}, or the choice skip; answers carry choice "ranked" and ranking)
+                                                 annotator}, or the choice skip; answers carry choice "ranked" and ranking;
+                                                 ratings: {ratings: [1 .. rating_scale per clip, in the order shown],
+                                                 annotator}, answered as choice "rated" with ratings)
                                                  -> 201 new / 200 same or edited / 409 (labelled or
                                                  leased by someone else, or a browser's pair not leased to it)
          POST /api/queries/<query_id>/undo       {annotator, release?} -> the asker's answer undone, the query pending again
@@ -105,10 +108,12 @@ from cleanrlhf_utils.protocol import (
     MAX_TEXT,
     PHASES,
     RANKED,
+    RATED,
     TOKEN_ENV,
     TOKEN_HEADER,
 )
 from cleanrlhf_utils.rankings import MAX_CLIPS, order_problem
+from cleanrlhf_utils.ratings import MAX_SCALE, ratings_problem
 from humanFeedback import access, serving
 from humanFeedback.access import MAX_JSON_BYTES, UPLOAD_ENDPOINTS, Access
 
@@ -154,9 +159,12 @@ MIGRATIONS = (
     ("labels", "holder", "TEXT", "UPDATE labels SET holder = 'token:' || annotator"),
     ("labels", "ranking", "TEXT", None),
     ("label_tombstones", "ranking", "TEXT", None),
+    ("queries", "rating_scale", "INTEGER", None),
+    ("labels", "ratings", "TEXT", None),
+    ("label_tombstones", "ratings", "TEXT", None),
 )
-# Tables whose choice CHECK an older schema wrote without 'ranked' (SQLite cannot change a CHECK in place).
-RANKED_TABLES = ("labels", "label_tombstones")
+# Tables whose choice CHECK an older schema wrote without 'ranked' or 'rated' (SQLite cannot change a CHECK in place).
+CHOICE_TABLES = ("labels", "label_tombstones")
 
 
 def schema_statements() -> list[str]:
@@ -170,11 +178,11 @@ def schema_statements() -> list[str]:
     return statements
 
 
-def accept_rankings(con: sqlite3.Connection) -> None:
-    """A database made before rankings: its labels and tombstones move, rows unchanged, into tables of schema.sql
-    (whose CHECK allows 'ranked'), in one transaction."""
+def accept_new_choices(con: sqlite3.Connection) -> None:
+    """A database made before rankings or ratings: its labels and tombstones move, rows unchanged, into tables of
+    schema.sql (whose CHECK allows 'ranked' and 'rated'), in one transaction."""
     sql = {name: text for name, text in con.execute("SELECT name, sql FROM sqlite_master WHERE type = 'table'")}
-    old = [table for table in RANKED_TABLES if f"'{RANKED}'" not in sql[table]]
+    old = [table for table in CHOICE_TABLES if f"'{RANKED}'" not in sql[table] or f"'{RATED}'" not in sql[table]]
     if not old:
         return
     con.execute("BEGIN IMMEDIATE")
@@ -211,7 +219,7 @@ class Store:
                     con.execute(f"ALTER TABLE {table} ADD COLUMN {column} {declaration}")
                     if fill is not None:
                         con.execute(fill)
-            accept_rankings(con)
+            accept_new_choices(con)
             self.remove_orphan_clips(con)
         finally:
             con.close()
@@ -595,27 +603,39 @@ PAIR_KEYS = ("left_clip", "right_clip", "left_segment_id", "right_segment_id", "
 RANKING_KEYS = ("clips", "segment_ids", "session")
 
 
-def check_ranking_entry(i: int, item) -> tuple[tuple, tuple]:
-    """A query of 3 to MAX_CLIPS clips to rank: its clip names and segment ids, in the order shown."""
-    check_item_keys(item, i, "queries", RANKING_KEYS)
-    names, segments = item["clips"], item["segment_ids"]
-    if not (isinstance(names, list) and 3 <= len(names) <= MAX_CLIPS):
-        raise ApiError(400, f"queries[{i}].clips must be a list of 3 to {MAX_CLIPS} clip names (a pair sends left_clip and right_clip).")
+def check_rating_scale(i: int, item) -> int | None:
+    """A query's rating scale: None for a ranking (no rating_scale), else an integer in [2, MAX_SCALE]."""
+    scale = item.get("rating_scale")
+    if scale is not None and not (isinstance(scale, int) and not isinstance(scale, bool) and 2 <= scale <= MAX_SCALE):
+        raise ApiError(400, f"queries[{i}].rating_scale is {repr(scale)[:40]}; it must be an integer from 2 to {MAX_SCALE}.")
+    return scale
+
+
+def check_ranking_entry(i: int, item) -> tuple[tuple, tuple, int | None]:
+    """A query of 3 to MAX_CLIPS clips to rank, or of 2 to MAX_CLIPS clips to rate (with its rating_scale): its clip
+    names and segment ids, in the order shown, and its scale (None: a ranking)."""
+    check_item_keys(item, i, "queries", RANKING_KEYS, optional=("rating_scale",))
+    names, segments, scale = item["clips"], item["segment_ids"], check_rating_scale(i, item)
+    fewest = 3 if scale is None else 2
+    if not (isinstance(names, list) and fewest <= len(names) <= MAX_CLIPS):
+        kind = "to rank (a pair sends left_clip and right_clip)" if scale is None else "to rate"
+        raise ApiError(400, f"queries[{i}].clips must be a list of {fewest} to {MAX_CLIPS} clip names {kind}.")
     if not (isinstance(segments, list) and len(segments) == len(names)):
         raise ApiError(400, f"queries[{i}].segment_ids must be a list of one segment id per clip ({len(names)}).")
     names = tuple(check_clip_name(name, f"queries[{i}].clips[{k}]") for k, name in enumerate(names))
     if len(set(names)) < len(names):
         raise ApiError(400, f"queries[{i}].clips names a clip twice; a ranking's clips must differ.")
-    return names, tuple(id_value(segment, f"queries[{i}].segment_ids[{k}]") for k, segment in enumerate(segments))
+    return names, tuple(id_value(segment, f"queries[{i}].segment_ids[{k}]") for k, segment in enumerate(segments)), scale
 
 
 def check_query_entry(i: int, item, clips_named: set[str]) -> tuple:
-    """A pair (left_clip, right_clip and their segment ids) or a ranking (clips and segment_ids): the row to store, the
-    first two clips in the left and right columns, and a ranking's clips and segment ids (None for a pair)."""
+    """A pair (left_clip, right_clip and their segment ids), a ranking (clips and segment_ids) or clips to rate (and
+    rating_scale): the row to store, the first two clips in the left and right columns, a ranking's or rating's clips
+    and segment ids (None for a pair) and the rating scale (None unless rated)."""
     if isinstance(item, dict) and "clips" in item:
-        names, segments = check_ranking_entry(i, item)
+        names, segments, scale = check_ranking_entry(i, item)
         clips_named.update(names)
-        return (id_value(item["session"], f"queries[{i}].session"), *names[:2], *segments[:2], names, segments)
+        return (id_value(item["session"], f"queries[{i}].session"), *names[:2], *segments[:2], names, segments, scale)
     check_item_keys(item, i, "queries", PAIR_KEYS)
     left = check_clip_name(item["left_clip"], f"queries[{i}].left_clip")
     right = check_clip_name(item["right_clip"], f"queries[{i}].right_clip")
@@ -629,13 +649,14 @@ def check_query_entry(i: int, item, clips_named: set[str]) -> tuple:
         id_value(item["right_segment_id"], f"queries[{i}].right_segment_id"),
         None,
         None,
+        None,
     )
     clips_named.update((left, right))
     return row
 
 
 def ranked_clips(con: sqlite3.Connection, query_id: int) -> tuple[tuple, tuple] | tuple[None, None]:
-    """A ranking's clip names and segment ids in the order shown; (None, None) for a pair."""
+    """A ranking's or rating's clip names and segment ids in the order shown; (None, None) for a pair."""
     rows = con.execute("SELECT clip, segment_id FROM query_clips WHERE query_id = ? ORDER BY position", (query_id,)).fetchall()
     if not rows:
         return None, None
@@ -643,12 +664,12 @@ def ranked_clips(con: sqlite3.Connection, query_id: int) -> tuple[tuple, tuple] 
 
 
 def find_query(con: sqlite3.Connection, run_id: int, i: int, row: tuple) -> int | None:
-    session, left, right, lseg, rseg, names, segments = row
+    session, left, right, lseg, rseg, names, segments, scale = row
     old = con.execute("SELECT * FROM queries WHERE run_id = ? AND left_clip = ? AND right_clip = ?", (run_id, left, right)).fetchone()
     if old is None:
         return None
-    stored = (old["session"], old["left_segment_id"], old["right_segment_id"], *ranked_clips(con, old["id"]))
-    if stored != (session, lseg, rseg, names, segments):
+    stored = (old["session"], old["left_segment_id"], old["right_segment_id"], *ranked_clips(con, old["id"]), old["rating_scale"])
+    if stored != (session, lseg, rseg, names, segments, scale):
         raise ApiError(
             409,
             f"queries[{i}] ({left!r} vs {right!r}) already exists as query {old['id']} with session "
@@ -659,11 +680,11 @@ def find_query(con: sqlite3.Connection, run_id: int, i: int, row: tuple) -> int 
 
 
 def insert_query(con: sqlite3.Connection, run_id: int, row: tuple, stamp: str) -> int:
-    session, left, right, lseg, rseg, names, segments = row
+    session, left, right, lseg, rseg, names, segments, scale = row
     query_id = con.execute(
-        "INSERT INTO queries (run_id, session, left_clip, right_clip, left_segment_id, right_segment_id, created_at) "
-        "VALUES (?, ?, ?, ?, ?, ?, ?)",
-        (run_id, session, left, right, lseg, rseg, stamp),
+        "INSERT INTO queries (run_id, session, left_clip, right_clip, left_segment_id, right_segment_id, created_at, rating_scale) "
+        "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+        (run_id, session, left, right, lseg, rseg, stamp, scale),
     ).lastrowid
     if names is not None:
         con.executemany(
@@ -758,14 +779,16 @@ def run_instructions(con: sqlite3.Connection, run_id: int) -> dict:
 
 
 def query_payload(con: sqlite3.Connection, q: sqlite3.Row) -> dict:
-    """What the page shows of a query: its kind ("pair", or "ranking" of 3 or more clips) and every clip's URL in the
-    order shown (a pair's also as left_url and right_url)."""
+    """What the page shows of a query: its kind ("pair", "ranking" of 3 or more clips, or "rating" of each clip with
+    its rating_scale) and every clip's URL in the order shown (a pair's also as left_url and right_url)."""
     names = ranked_clips(con, q["id"])[0] or (q["left_clip"], q["right_clip"])
+    kind = "rating" if q["rating_scale"] else "pair" if len(names) == 2 else "ranking"
     return {
         "query_id": q["id"],
         "run_id": q["run_id"],
         **run_instructions(con, q["run_id"]),
-        "kind": "pair" if len(names) == 2 else "ranking",
+        "kind": kind,
+        **({"rating_scale": q["rating_scale"]} if q["rating_scale"] else {}),
         "clip_urls": [clip_url(q["run_id"], name) for name in names],
         "left_url": clip_url(q["run_id"], q["left_clip"]),
         "right_url": clip_url(q["run_id"], q["right_clip"]),
@@ -965,7 +988,7 @@ def run_status(run_id: int):
     con = db()
     require_run(con, run_id)
     total = con.execute("SELECT COUNT(*) FROM queries WHERE run_id = ?", (run_id,)).fetchone()[0]
-    by_choice = dict.fromkeys(CHOICES, 0)  # and "ranked", where a ranking is answered
+    by_choice = dict.fromkeys(CHOICES, 0)  # and "ranked" or "rated", where rankings or ratings are answered
     for choice, n in con.execute(
         "SELECT l.choice, COUNT(*) FROM labels l JOIN queries q ON q.id = l.query_id WHERE q.run_id = ? GROUP BY l.choice", (run_id,)
     ):
@@ -1175,40 +1198,50 @@ def check_may_answer(q: sqlite3.Row, holder: str) -> None:
     raise ApiError(409, f"Query {q['id']} is not leased to you; label the pairs GET /api/next gives you.")
 
 
-def answer_of(con: sqlite3.Connection, q: sqlite3.Row, body: dict) -> tuple[str, str | None]:
+def answer_of(con: sqlite3.Connection, q: sqlite3.Row, body: dict) -> tuple[str, str | None, str | None]:
     """The one check of an answer against its query: a pair takes a choice; a ranking takes {"ranking": [each clip's
-    position once, best first]} (rankings.order_problem) or the choice skip. Returns the choice to store and a ranking's
-    order as JSON (None for a pair's answer and a skip); a 400 naming what is wrong otherwise."""
-    names = ranked_clips(con, q["id"])[0]
-    choice, order = body.get("choice"), body.get("ranking")
+    position once, best first]} (rankings.order_problem), clips to rate {"ratings": [one per clip, 1 .. the scale]}
+    (ratings.ratings_problem), either or the choice skip. Returns the choice to store, a ranking's order and ratings as
+    JSON (None where the answer has none); a 400 naming what is wrong otherwise, and nothing of a mixed answer."""
+    names, scale = ranked_clips(con, q["id"])[0], q["rating_scale"]
+    choice, order, ratings = body.get("choice"), body.get("ranking"), body.get("ratings")
     if names is None:
-        if order is not None:
-            raise ApiError(400, f"Query {q['id']} is a pair: answer it with a choice, not a ranking.")
+        if order is not None or ratings is not None:
+            raise ApiError(
+                400, f"Query {q['id']} is a pair: answer it with a choice, not a {'ranking' if order is not None else 'rating'}."
+            )
         allowed = cfg("choices")
         if choice not in allowed:
             raise ApiError(400, f"choice {str(choice)[:40]!r} is not allowed; use one of {', '.join(allowed)}.")
-        return choice, None
+        return choice, None, None
+    asks, wrong = ("ratings", order) if scale else ("a ranking", ratings)
+    if wrong is not None:
+        given = "a ranking" if scale else "ratings"
+        raise ApiError(400, f"Query {q['id']} asks for {asks} of its {len(names)} clips, not {given}.")
     skips = "skip" in cfg("choices")
     if choice is not None:
-        if order is not None or choice != "skip" or not skips:
+        if order is not None or ratings is not None or choice != "skip" or not skips:
             also = " or the choice skip" if skips else ""
-            raise ApiError(
-                400, f"Query {q['id']} ranks {len(names)} clips: answer it with a ranking{also}, not the choice {str(choice)[:40]!r}."
-            )
-        return choice, None
+            raise ApiError(400, f"Query {q['id']} asks for {asks} of its {len(names)} clips{also}, not the choice {str(choice)[:40]!r}.")
+        return choice, None, None
+    if scale:
+        problem = ratings_problem(ratings, len(names), scale)
+        if problem is not None:
+            raise ApiError(400, f"ratings {str(ratings)[:60]} are not allowed for query {q['id']}: {problem}.")
+        return RATED, None, json.dumps(ratings)
     problem = order_problem(order, len(names))
     if problem is not None:
         raise ApiError(400, f"ranking {str(order)[:60]} is not allowed for query {q['id']}: {problem}.")
-    return RANKED, json.dumps(order)
+    return RANKED, json.dumps(order), None
 
 
 @api.post(protocol.QUERY_LABEL)
 def label_query(query_id: int):
     asked = require_query(db(), query_id)
-    body = json_body(("choice", "ranking", "annotator"))
+    body = json_body(("choice", "ranking", "ratings", "annotator"))
     annotator = annotator_arg(body.get("annotator"))
     holder = principal().holder(annotator)
-    choice, ranking = answer_of(db(), asked, body)
+    choice, ranking, ratings = answer_of(db(), asked, body)
     with write_transaction() as con:
         q = require_query(con, query_id)
         old = con.execute("SELECT * FROM labels WHERE query_id = ?", (query_id,)).fetchone()
@@ -1216,15 +1249,15 @@ def label_query(query_id: int):
             check_may_answer(q, holder)
             stamp = utc_now()
             cur = con.execute(
-                "INSERT INTO labels (query_id, choice, annotator, created_at, updated_at, seq, holder, ranking) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                (query_id, choice, annotator, stamp, stamp, next_seq(con), holder, ranking),
+                "INSERT INTO labels (query_id, choice, annotator, created_at, updated_at, seq, holder, ranking, ratings) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (query_id, choice, annotator, stamp, stamp, next_seq(con), holder, ranking, ratings),
             )
             con.execute("UPDATE queries SET lease_annotator = NULL, lease_expires = NULL, lease_holder = NULL WHERE id = ?", (query_id,))
             label_id, status, updated = cur.lastrowid, 201, False
         elif old["holder"] != holder:
             raise ApiError(409, f"Query {query_id} is already labelled by another annotator; ask for a new pair with GET /api/next.")
-        elif (old["choice"], old["ranking"]) == (choice, ranking):
+        elif (old["choice"], old["ranking"], old["ratings"]) == (choice, ranking, ratings):
             label_id, status, updated = old["id"], 200, False
         elif not cfg("allow_editing"):
             raise ApiError(
@@ -1233,13 +1266,14 @@ def label_query(query_id: int):
             )
         else:
             con.execute(
-                "UPDATE labels SET choice = ?, ranking = ?, annotator = ?, updated_at = ?, seq = ? WHERE id = ?",
-                (choice, ranking, annotator, utc_now(), next_seq(con), old["id"]),
+                "UPDATE labels SET choice = ?, ranking = ?, ratings = ?, annotator = ?, updated_at = ?, seq = ? WHERE id = ?",
+                (choice, ranking, ratings, annotator, utc_now(), next_seq(con), old["id"]),
             )
             label_id, status, updated = old["id"], 200, True
         progress, learned = progress_for(con, q["run_id"], q["session"]), learning(con, q["run_id"])
-    order = None if ranking is None else json.loads(ranking)
-    reply = dict(label_id=label_id, query_id=query_id, choice=choice, ranking=order, updated=updated, progress=progress, learned=learned)
+    order, rated = (None if text is None else json.loads(text) for text in (ranking, ratings))
+    reply = dict(label_id=label_id, query_id=query_id, choice=choice, ranking=order, ratings=rated, updated=updated)
+    reply |= dict(progress=progress, learned=learned)
     return jsonify(reply), status
 
 
@@ -1278,16 +1312,29 @@ def undo_label(query_id: int):
                 f"(or name the pair the undone one replaces in 'release').",
             )
         con.execute(
-            "INSERT INTO label_tombstones (seq, label_id, query_id, choice, annotator, created_at, deleted_at, ranking) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-            (next_seq(con), old["id"], query_id, old["choice"], old["annotator"], old["created_at"], utc_now(), old["ranking"]),
+            "INSERT INTO label_tombstones (seq, label_id, query_id, choice, annotator, created_at, deleted_at, ranking, ratings) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (
+                next_seq(con),
+                old["id"],
+                query_id,
+                old["choice"],
+                old["annotator"],
+                old["created_at"],
+                utc_now(),
+                old["ranking"],
+                old["ratings"],
+            ),
         )
         con.execute("DELETE FROM labels WHERE id = ?", (old["id"],))
         lease(con, query_id, annotator, holder)
         q = con.execute("SELECT * FROM queries WHERE id = ?", (query_id,)).fetchone()
         payload, learned = query_payload(con, q), learning(con, q["run_id"])
-    undone_ranking = None if old["ranking"] is None else json.loads(old["ranking"])
-    return jsonify(undone_label_id=old["id"], undone_choice=old["choice"], undone_ranking=undone_ranking, query=payload, learned=learned)
+    undone_ranking, undone_ratings = (None if old[name] is None else json.loads(old[name]) for name in ("ranking", "ratings"))
+    return jsonify(
+        undone_label_id=old["id"], undone_choice=old["choice"], undone_ranking=undone_ranking, undone_ratings=undone_ratings,
+        query=payload, learned=learned,
+    )  # fmt: skip
 
 
 @api.get(protocol.RUN_ANSWERS)
@@ -1300,12 +1347,12 @@ def answers(run_id: int):
     rows = con.execute(
         """
         SELECT * FROM (
-            SELECT l.seq, l.id AS label_id, l.query_id, l.choice, l.ranking, l.annotator, l.created_at, l.updated_at,
+            SELECT l.seq, l.id AS label_id, l.query_id, l.choice, l.ranking, l.ratings, l.annotator, l.created_at, l.updated_at,
                    q.left_segment_id, q.right_segment_id, q.session, q.left_clip, q.right_clip
             FROM labels l JOIN queries q ON q.id = l.query_id
             WHERE q.run_id = :run AND l.seq > :after
             UNION ALL
-            SELECT t.seq, t.label_id, t.query_id, 'undone', NULL, t.annotator, t.created_at, t.deleted_at,
+            SELECT t.seq, t.label_id, t.query_id, 'undone', NULL, NULL, t.annotator, t.created_at, t.deleted_at,
                    q.left_segment_id, q.right_segment_id, q.session, q.left_clip, q.right_clip
             FROM label_tombstones t JOIN queries q ON q.id = t.query_id
             WHERE q.run_id = :run AND t.seq > :after
@@ -1313,7 +1360,7 @@ def answers(run_id: int):
         """,
         {"run": run_id, "after": after, "limit": limit},
     ).fetchall()
-    items = [dict(r) | {"ranking": None if r["ranking"] is None else json.loads(r["ranking"])} for r in rows]
+    items = [dict(r) | {name: None if r[name] is None else json.loads(r[name]) for name in ("ranking", "ratings")} for r in rows]
     cursor = items[-1]["seq"] if items else after
     return jsonify(answers=items, cursor=cursor)
 

@@ -33,13 +33,14 @@ CREATE TABLE IF NOT EXISTS queries (
     lease_annotator TEXT,
     lease_expires REAL,
     lease_holder TEXT,
+    rating_scale INTEGER CHECK (rating_scale IS NULL OR (typeof(rating_scale) = 'integer' AND rating_scale BETWEEN 2 AND 10)),
     CHECK (left_clip <> right_clip),
     CHECK ((lease_annotator IS NULL) = (lease_expires IS NULL)),
     UNIQUE (run_id, left_clip, right_clip)
 );
 
--- The clips of a query of more than two (a ranking): every one, in the order shown, with its segment id.  Such a
--- query's left and right columns hold its first two clips; a pair has no rows here.
+-- The clips of a query of more than two (a ranking) or of clips to rate (its rating_scale set): every one, in the order
+-- shown, with its segment id.  Such a query's left and right columns hold its first two clips; a pair has no rows here.
 CREATE TABLE IF NOT EXISTS query_clips (
     query_id INTEGER NOT NULL REFERENCES queries(id),
     position INTEGER NOT NULL CHECK (position >= 0),
@@ -50,18 +51,21 @@ CREATE TABLE IF NOT EXISTS query_clips (
 );
 
 -- The current answer to a query, at most one; seq orders every label write (see label_tombstones).  A pair's answer is
--- its choice; a ranking's is choice 'ranked' with ranking, the JSON list of its clips' positions, best first (or 'skip').
+-- its choice; a ranking's is choice 'ranked' with ranking, the JSON list of its clips' positions, best first; ratings'
+-- are choice 'rated' with ratings, the JSON list of each clip's rating in the order shown (either may be 'skip').
 CREATE TABLE IF NOT EXISTS labels (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
     query_id INTEGER NOT NULL UNIQUE REFERENCES queries(id),
-    choice TEXT NOT NULL CHECK (choice IN ('left', 'right', 'tie', 'skip', 'ranked')),
+    choice TEXT NOT NULL CHECK (choice IN ('left', 'right', 'tie', 'skip', 'ranked', 'rated')),
     annotator TEXT NOT NULL CHECK (length(annotator) > 0),
     created_at TEXT NOT NULL,
     updated_at TEXT NOT NULL,
     seq INTEGER NOT NULL UNIQUE CHECK (seq > 0),
     holder TEXT,  -- who gave it (access.Principal.holder): only they may change or undo it
     ranking TEXT,
-    CHECK ((choice = 'ranked') = (ranking IS NOT NULL))
+    ratings TEXT,
+    CHECK ((choice = 'ranked') = (ranking IS NOT NULL)),
+    CHECK ((choice = 'rated') = (ratings IS NOT NULL))
 );
 
 -- An undone label, kept so that a reader of answers?after= learns that it is gone.  label_id names a
@@ -70,11 +74,12 @@ CREATE TABLE IF NOT EXISTS label_tombstones (
     seq INTEGER PRIMARY KEY CHECK (seq > 0),
     label_id INTEGER NOT NULL,
     query_id INTEGER NOT NULL REFERENCES queries(id),
-    choice TEXT NOT NULL CHECK (choice IN ('left', 'right', 'tie', 'skip', 'ranked')),
+    choice TEXT NOT NULL CHECK (choice IN ('left', 'right', 'tie', 'skip', 'ranked', 'rated')),
     annotator TEXT NOT NULL CHECK (length(annotator) > 0),
     created_at TEXT NOT NULL,
     deleted_at TEXT NOT NULL,
-    ranking TEXT
+    ranking TEXT,
+    ratings TEXT
 );
 
 -- A clip shown in the reward-model check view (#rewards) with the return the reward model predicts.

@@ -7,7 +7,8 @@ Every teacher answers `label(segments, session) -> (labels, annotators)`: `segme
 (obs_actions, masks, true_rewards, physics_states: (N, 2, L, ...)) and their replay-buffer start indices
 (segment_ids: (N, 2)); labels (N,) are 1 = segment 1 preferred, 0 = segment 0, 0.5 = tie, nan = skipped. Queries of
 k > 2 clips (--clips-per-query) have arrays (N, k, ...) and rankings for labels, each its order's index
-(cleanrlhf_utils.rankings): the synthetic teacher and a file give them."""
+(cleanrlhf_utils.rankings); with --rating-scale, a query's labels are its clips' ratings (cleanrlhf_utils.ratings).
+Every teacher gives every kind."""
 
 import contextlib
 import copy
@@ -21,6 +22,7 @@ import secrets
 import sys
 import threading
 import time
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import ClassVar, Literal, Protocol
@@ -33,6 +35,7 @@ from .envs import SegmentRenderer, check_can_render, get_physics_state, make_env
 from .errors import ConfigError, check_ranges, need
 from .objectives import check_objective, load_objective, segment_rewards
 from .rankings import clip_pairs, order_labels, pair_labels
+from .ratings import MAX_SCALE, RATING_SCALE_RANGE, rating_labels, rating_pair_labels
 from .stopping import stoppable_at_once
 
 
@@ -139,36 +142,44 @@ def validate_feedback_args(args: FeedbackArgs) -> None:
     )
 
 
-def label_file_clips(path: str | Path) -> int | None:
-    """How many clips each label of a labels.sqlite orders (2: pairs), from its first row; None when it holds none."""
+def label_file_kind(path: str | Path) -> tuple[int, int] | None:
+    """How many clips each label of a labels.sqlite judges (2: pairs) and on which rating scale (0: compared or
+    ranked), from its first row; None when it holds none."""
     import sqlite3
 
     db = sqlite3.connect(f"file:{Path(path).resolve()}?mode=ro", uri=True)
     try:
-        row = db.execute("SELECT shapes FROM labels ORDER BY id LIMIT 1").fetchone()
+        columns = [row[1] for row in db.execute("PRAGMA table_info(labels)")]
+        scale = "rating_scale" if "rating_scale" in columns else "0"  # a file from before ratings holds none
+        row = db.execute(f"SELECT shapes, {scale} FROM labels ORDER BY id LIMIT 1").fetchone()
     except sqlite3.DatabaseError as error:
         raise ConfigError(f"--feedback-file {path} is not a run's labels.sqlite ({error})") from None
     finally:
         db.close()
-    return None if row is None else int(json.loads(row[0])["masks"][0][0])
+    return None if row is None else (int(json.loads(row[0])["masks"][0][0]), int(row[1] or 0))
 
 
-def check_clips_per_query(args) -> None:
-    """Rankings (--clips-per-query k > 2) come from the synthetic teacher, people (the feedback page ranks up to
-    rankings.MAX_CLIPS clips) or a file of rankings of k clips; a ranking of more than two clips has no ties
-    (--teacher-eps-equal is a pair's)."""
-    clips, mode = args.clips_per_query, args.teacher_feedback_mode
+def check_query_kind(args) -> None:
+    """What a query asks: a pair compared, a ranking of k clips (--clips-per-query k > 2: from the synthetic teacher,
+    people, or a file of rankings of k clips) or ratings of its clips (--rating-scale). A ranking of more than two clips
+    and ratings have no ties (--teacher-eps-equal is a pair's); a file replays labels of its own kind only."""
+    clips, scale, mode = args.clips_per_query, args.rating_scale, args.teacher_feedback_mode
+    need(scale == 0 or 2 <= scale <= MAX_SCALE, f"--rating-scale must be {RATING_SCALE_RANGE}, got {scale}")
     if mode == "file":
-        stored = label_file_clips(args.feedback_file)
+        stored = label_file_kind(args.feedback_file)
+        asked = f"--clips-per-query {stored[0]}" + (f" --rating-scale {stored[1]}" if stored and stored[1] else "")
         need(
-            stored in (None, clips),
-            f"--feedback-file {args.feedback_file} holds labels of {stored} clips each; give --clips-per-query {stored}",
+            stored in (None, (clips, scale)),
+            f"--feedback-file {args.feedback_file} holds labels of {stored and stored[0]} clips each"
+            + (f" rated on a scale of {stored[1]}" if stored and stored[1] else "")
+            + f"; give {asked}",
         )
-    if clips == 2:
+    if clips == 2 and scale == 0:
         return
+    kind = f"ratings on a scale of {scale}" if scale else f"a ranking of {clips} clips"
     need(
         args.teacher_eps_equal == 0,
-        f"--teacher-eps-equal {args.teacher_eps_equal} calls ties, and a ranking of {clips} clips is strict: use it with --clips-per-query 2",
+        f"--teacher-eps-equal {args.teacher_eps_equal} calls ties of a pair, and {kind} has none: use it with --clips-per-query 2 and no --rating-scale",
     )
 
 
@@ -176,16 +187,22 @@ def check_clips_per_query(args) -> None:
 CHOICE_LABELS = dict(zip(protocol.CHOICES, (0.0, 1.0, 0.5, float("nan")), strict=True))
 
 
-def answer_label(answer: dict) -> float:
-    """The label of an answer the feedback server gives: a pair's choice (CHOICE_LABELS), or a ranking's order, best
-    first, as its order's index (cleanrlhf_utils.rankings)."""
+def answer_label(answer: dict, rating_scale: int = 0) -> float:
+    """The label of an answer the feedback server gives: a pair's choice (CHOICE_LABELS), a ranking's order, best
+    first, as its order's index (cleanrlhf_utils.rankings), or the ratings of a query's clips, 1 .. rating_scale, as
+    cleanrlhf_utils.ratings writes them."""
     if answer["choice"] == protocol.RANKED:
         return float(order_labels(np.array([answer["ranking"]]))[0])
+    if answer["choice"] == protocol.RATED:
+        return float(rating_labels(np.array([answer["ratings"]]) - 1, rating_scale)[0])
     return CHOICE_LABELS[answer["choice"]]
 
 
-def query_entry(clips: list[str], segment_ids: list, session: int) -> dict:
-    """A query as the server takes it: a pair's two clips as left and right, a ranking's clips in the order shown."""
+def query_entry(clips: list[str], segment_ids: list, session: int, rating_scale: int = 0) -> dict:
+    """A query as the server takes it: a pair's two clips as left and right, a ranking's clips in the order shown, the
+    clips to rate in the order shown with their scale."""
+    if rating_scale:
+        return {"clips": clips, "segment_ids": segment_ids, "session": session, "rating_scale": rating_scale}
     if len(clips) > 2:
         return {"clips": clips, "segment_ids": segment_ids, "session": session}
     (left, right), (left_id, right_id) = clips, segment_ids
@@ -455,8 +472,10 @@ class HumanTeacher(Teacher):
         pair_log: Path | None = None,
         objective_returns=None,
         restart_server=None,
+        rating_scale: int = 0,
     ):
         self.client, self.run_id, self.renderer, self.clip_dir, self.fps = client, run_id, renderer, clip_dir, fps
+        self.rating_scale = rating_scale  # 0: its queries are compared or ranked; else each clip is rated 1 .. it
         # runs/<run>/shown_pairs.jsonl: one line per uploaded pair (query id, segment ids, env returns and, with
         # --teacher-objective, the objective's returns), so what people answered can be set against what they saw.
         self.pair_log, self.objective_returns = pair_log, objective_returns  # segments -> (N, 2) objective returns
@@ -561,7 +580,7 @@ class HumanTeacher(Teacher):
                     self.render_clip(f"{stem}_{side}.mp4", segments["physics_states"][i, k], segments["masks"][i, k])
                     for k, side in enumerate(sides)
                 ]
-                query = query_entry([clip.name for clip in clips], segment_ids, session)
+                query = query_entry([clip.name for clip in clips], segment_ids, session, self.rating_scale)
                 query_ids[i] = self.client.upload_queries(self.run_id, [query], {path.name: path for path in clips})[0]
                 self.pair_query[(session, i)] = query_ids[i]
                 pair_returns = None if env_returns is None else env_returns[i]
@@ -718,7 +737,7 @@ class HumanTeacher(Teacher):
         labels, annotators = np.full(len(query_ids), np.nan, dtype=np.float32), [""] * len(query_ids)
         for i, qid in enumerate(query_ids):
             if qid is not None and qid in self.answers:
-                labels[i], annotators[i] = answer_label(self.answers[qid]), self.answers[qid]["annotator"]
+                labels[i], annotators[i] = answer_label(self.answers[qid], self.rating_scale), self.answers[qid]["annotator"]
         return labels, annotators
 
     EVALUATION_CLIP_STEPS = 300  # steps of an evaluation episode's start shown on the page (Hopper: 2.4 s)
@@ -829,8 +848,10 @@ class LabelLog:
 
     ARRAYS = ("obs_actions", "masks", "true_rewards", "physics_states")
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, rating_scale: int = 0):
         import sqlite3
+
+        self.rating_scale = rating_scale  # each row's: 0, compared or ranked; else its clips' ratings
 
         path.parent.mkdir(parents=True, exist_ok=True)
         self.db = sqlite3.connect(path)
@@ -845,6 +866,8 @@ class LabelLog:
                 self.migrate()
             if "query_id" not in columns:  # the feedback server's query of each person's label
                 self.db.execute("ALTER TABLE labels ADD COLUMN query_id INTEGER")
+            if "rating_scale" not in columns:  # the scale a label's ratings are on (0: compared or ranked)
+                self.db.execute("ALTER TABLE labels ADD COLUMN rating_scale INTEGER NOT NULL DEFAULT 0")
             self.db.execute("CREATE UNIQUE INDEX IF NOT EXISTS labels_pair_key ON labels (pair_key)")
 
     @staticmethod
@@ -876,11 +899,12 @@ class LabelLog:
             shapes = json.dumps({name: [list(a.shape), str(a.dtype)] for name, a in arrays.items()})
             blobs = [a.tobytes() for a in arrays.values()]
             query = None if query_ids is None else query_ids[i]
-            rows.append((global_step, session, float(labels[i]), annotators[i], *blobs, shapes, self.key(session, *blobs[:2]), query))
+            key = self.key(session, *blobs[:2])
+            rows.append((global_step, session, float(labels[i]), annotators[i], *blobs, shapes, key, query, self.rating_scale))
         with self.db:
             self.db.executemany(
                 "INSERT OR IGNORE INTO labels (global_step, session, label, annotator, obs_actions, masks, true_rewards, physics_states,"
-                " shapes, pair_key, query_id) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+                " shapes, pair_key, query_id, rating_scale) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
                 rows,
             )
 
@@ -1277,6 +1301,7 @@ def connect_human_teacher(args, run_name: str, run_dir: Path, clip_dir: Path, ob
     teacher = HumanTeacher(
         client, run_id, renderer, clip_dir, fps, server_process=server_process,
         pair_log=run_dir / "shown_pairs.jsonl", objective_returns=objective_returns, restart_server=restart,
+        rating_scale=args.rating_scale,
     )  # fmt: skip
     # when sessions come, for the page's "next session in about ..." (PrefPPO's come after the rollout that reaches the step)
     teacher.total_steps, teacher.session_frequency = args.total_timesteps, args.teacher_feedback_frequency
@@ -1320,13 +1345,16 @@ class SyntheticTeacher(Teacher):
     labels_are_free = True  # held-out accuracy is measured on fresh pairs, not on labels of the budget
 
     def __init__(
-        self, beta: float, gamma: float, eps_mistake: float, eps_skip: float, eps_equal: float, seed: int, rb=None, objective=None
-    ):
+        self, beta: float, gamma: float, eps_mistake: float, eps_skip: float, eps_equal: float, seed: int, rb=None, objective=None,
+        rating_scale: int = 0,
+    ):  # fmt: skip
         self.objective, self.rb = objective, rb
         self.beta, self.gamma = beta, gamma
         self.eps_mistake, self.eps_skip, self.eps_equal = eps_mistake, eps_skip, eps_equal
         self.rng = np.random.default_rng(seed)
         self.threshold_skip = self.threshold_equal = 0.0
+        self.rating_scale = rating_scale  # 0: compares or ranks; else rates each clip 1 .. it (rate_true_rewards)
+        self.rated_range = [math.inf, -math.inf]  # the lowest and highest (discounted) return of a clip it has rated
 
     def set_margin(self, average_segment_return: float) -> None:
         """Thresholds are fractions of the average true return of a segment (segment length x mean reward)."""
@@ -1345,7 +1373,10 @@ class SyntheticTeacher(Teacher):
 
     def label_true_rewards(self, true_rewards: np.ndarray) -> np.ndarray:
         """true_rewards (N, 2, L), zero on masked steps -> labels (N,): 1 = segment 1 preferred, 0 = segment 0,
-        0.5 = tie, nan = skipped. Of k > 2 clips, (N, k, L): rankings (rank_true_rewards)."""
+        0.5 = tie, nan = skipped. Of k > 2 clips, (N, k, L): rankings (rank_true_rewards); with a rating scale, the
+        clips' ratings (rate_true_rewards)."""
+        if self.rating_scale:
+            return self.rate_true_rewards(true_rewards)
         if true_rewards.shape[1] > 2:
             return self.rank_true_rewards(true_rewards)
         returns = true_rewards.sum(-1)
@@ -1387,11 +1418,40 @@ class SyntheticTeacher(Teacher):
             labels[returns.max(1) < self.threshold_skip] = np.nan
         return labels
 
+    def rate_true_rewards(self, true_rewards: np.ndarray) -> np.ndarray:
+        """true_rewards (N, k, L), zero on masked steps -> the ratings of each query's clips (N,), as
+        cleanrlhf_utils.ratings writes them, nan = skipped. A person anchors a scale on the worst and the best they have
+        seen: the teacher rates a clip by where its return (discounted by myopia as for pairs) lies between the lowest
+        and highest of every clip it has rated, this query's included, on `rating_scale` equal bins, so an early clip
+        rated 5 may rate 3 once better ones have been shown. A rational teacher (beta >= 0) draws the rating from the
+        ordered logit at temperature beta with the bins' edges as cut points (logistic noise of scale 1 / beta added to
+        the return; beta 0: a rating drawn uniformly); a mistake replaces a clip's rating by another drawn uniformly; a
+        query whose returns all lie below the skip threshold is skipped. Ratings have no ties (check_query_kind refuses
+        eps_equal)."""
+        scale, returns = self.rating_scale, true_rewards.sum(-1)
+        weights = self.gamma ** np.arange(true_rewards.shape[-1] - 1, -1, -1)  # myopia: the last step weighs most
+        discounted = (true_rewards * weights).sum(-1)  # (N, k)
+        low = self.rated_range[0] = min(self.rated_range[0], float(discounted.min()))
+        high = self.rated_range[1] = max(self.rated_range[1], float(discounted.max()))
+        if self.beta > 0:
+            discounted = discounted + self.rng.logistic(size=discounted.shape) / self.beta
+        position = (discounted - low) / (high - low) if high > low else np.full(discounted.shape, 0.5)
+        ratings = np.clip(np.floor(position * scale), 0, scale - 1).astype(np.int64)
+        if self.beta == 0:
+            ratings = self.rng.integers(0, scale, size=ratings.shape)
+        flip = self.rng.random(ratings.shape) < self.eps_mistake
+        ratings[flip] = (ratings[flip] + self.rng.integers(1, scale, size=int(flip.sum()))) % scale
+        labels = rating_labels(ratings, scale)
+        if self.eps_skip > 0:
+            labels[returns.max(1) < self.threshold_skip] = np.nan
+        return labels
+
     def state_dict(self) -> dict:
-        return {"rng": self.rng.bit_generator.state}
+        return {"rng": self.rng.bit_generator.state, "rated_range": list(self.rated_range)}
 
     def load_state_dict(self, state: dict) -> None:
         self.rng.bit_generator.state = state["rng"]
+        self.rated_range = list(state.get("rated_range", [math.inf, -math.inf]))  # a checkpoint from before ratings
 
 
 def check_teacher_objective(args, obs_dim: int, action_dim: int, state_dim: int):
@@ -1414,7 +1474,15 @@ def make_teacher(args, rb, run_name: str, run_dir: Path, video_dir: Path) -> Tea
     if args.teacher_feedback_mode == "file":
         return FileTeacher(args.feedback_file)
     eps = (args.teacher_eps_mistake, args.teacher_eps_skip, args.teacher_eps_equal)
-    return SyntheticTeacher(args.teacher_beta, args.teacher_gamma, *eps, seed=args.seed + 1, rb=rb, objective=objective)
+    return SyntheticTeacher(
+        args.teacher_beta, args.teacher_gamma, *eps, seed=args.seed + 1, rb=rb, objective=objective, rating_scale=args.rating_scale
+    )
+
+
+def query_pair_labels(labels: np.ndarray, clips: int, rating_scale: int) -> np.ndarray:
+    """What each label (N,) says of each pair of its query's clips (N, P), in rankings.clip_pairs order: a pair's own
+    label, a ranking's orders, ratings' comparisons (0.5 where two clips are rated alike)."""
+    return rating_pair_labels(labels, clips, rating_scale) if rating_scale else pair_labels(labels, clips)
 
 
 def show_reward_model(teacher: Teacher, session: FeedbackSession, prefs, rb, predict, args, rng: np.random.Generator, step: int) -> None:
@@ -1429,9 +1497,14 @@ def show_reward_model(teacher: Teacher, session: FeedbackSession, prefs, rb, pre
         segments, masks = prefs.obs_actions[rows[decided]], prefs.masks[rows[decided]]
         returns = (predict(segments.reshape(-1, segments.shape[-1]))[0].reshape(masks.shape) * masks).sum(-1)
         first, second = clip_pairs(prefs.clips)  # a ranking: the share of its pairs of clips the model orders as given
-        given = pair_labels(prefs.labels[rows[decided]], prefs.clips).reshape(len(returns), -1)
-        agree = ((returns[:, second] > returns[:, first]) == (given > 0.5)).mean(-1)
-        teacher.show_agreement([pair for pair, keep in zip(pairs, decided) if keep], agree)
+        given = query_pair_labels(prefs.labels[rows[decided]], prefs.clips, args.rating_scale).reshape(len(returns), -1)
+        # of ratings: of its pairs of clips rated differently (all rated alike: no agreement to measure, nan)
+        ordered = np.where(given == 0.5, np.nan, (returns[:, second] > returns[:, first]) == (given > 0.5))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # a query whose clips were all rated alike
+            agree = np.nanmean(ordered, -1)
+        shown = [pair for pair, keep in zip(pairs, decided) if keep]
+        teacher.show_agreement([pair for pair, value in zip(shown, agree) if not np.isnan(value)], agree[~np.isnan(agree)])
     if args.feedback_check_clips == 0:
         return
     idx, mask = rb.sample_segment_pairs(args.feedback_check_clips, args.segment_length, rng)

@@ -18,6 +18,9 @@ CHOICES = ("left", "right", "tie", "skip")
 # A query of more than two clips is ranked: its answer is {"ranking": [clip positions, best first]} (or the choice
 # "skip"), stored and read back as the choice RANKED with that ranking (cleanrlhf_utils.rankings checks it).
 RANKED = "ranked"
+# A query sent with a rating_scale n asks for a rating of each of its clips: {"ratings": [1 .. n per clip, in the order
+# shown]} (or "skip"), stored and read back as the choice RATED with those ratings (cleanrlhf_utils.ratings checks them).
+RATED = "rated"
 
 # The shared secret: the trainer and scripts send it in this header; handed to a server the trainer starts through this
 # environment variable, never its command line (visible to every user in ps). A browser never holds it: the login route
