@@ -1,5 +1,5 @@
 // The answer components, one per kind of query the server gives (its "kind"): each shows a query's clips, turns the
-// person's keys and clicks into an answer ({choice} or {ranking}: the body POST /api/queries/<id>/label takes) and
+// person's keys and clicks into an answer ({choice}, {ranking} or {ratings}: the body POST /api/queries/<id>/label takes) and
 // says what an undone answer was. main.js asks the component of the query on screen; another kind of query adds its
 // component here and its elements to index.html.
 import { showPair, speed, startTogether } from "./player.js";
@@ -125,7 +125,93 @@ const ranking = {
   markEarlier(answer) { $("#rank-hint").textContent = `Your earlier answer: ${this.describe(answer)}. Press the clips best first.`; },
 };
 
-export const COMPONENTS = { pair, ranking };
+// Ratings of k clips on the query's scale (1 worst .. n best): a click on a clip's point, or keys: a digit rates the
+// clip outlined (the first one not yet rated; 0 is 10), Backspace takes back the last rating given, Enter (or the
+// button) submits once every clip is rated.
+let ratings = [];     // each clip's rating so far (null: not yet)
+let ratedOrder = [];  // clips in the order they were rated, for Backspace
+let scale = 0;        // points of the scale on screen
+
+function renderRatings() {
+  const next = ratings.indexOf(null);
+  for (const fig of document.querySelectorAll("#rate-clips figure")) {
+    const clip = Number(fig.dataset.clip);
+    fig.classList.toggle("current", clip === next);
+    for (const b of fig.querySelectorAll("button.point")) b.classList.toggle("chosen", Number(b.dataset.rating) === ratings[clip]);
+  }
+  const left = ratings.filter((r) => r === null).length;
+  $("#rate-hint").textContent = left
+    ? `Rate each clip from 1 (worst) to ${scale} (best): ${ratings.length - left} of ${ratings.length} rated`
+    : "Every clip rated: Enter submits";
+  $("#rate-submit").disabled = left > 0;
+}
+
+function setRating(clip, rating) {
+  ratings[clip] = rating;
+  ratedOrder = [...ratedOrder.filter((c) => c !== clip), clip];
+  renderRatings();
+}
+
+function ratingFigure(url, clip) {
+  const fig = document.createElement("figure");
+  fig.dataset.clip = String(clip);
+  const v = document.createElement("video");
+  v.className = "clip";
+  Object.assign(v, { muted: true, autoplay: true, loop: true, playsInline: true, preload: "auto", src: url });
+  v.defaultPlaybackRate = v.playbackRate = speed();
+  const caption = document.createElement("figcaption");
+  caption.append(`Clip ${clip + 1} `);
+  const points = document.createElement("span");
+  points.className = "points";
+  for (let rating = 1; rating <= scale; rating++) {
+    const b = document.createElement("button");
+    b.type = "button";
+    b.className = "point";
+    b.dataset.rating = String(rating);
+    b.textContent = String(rating);
+    b.title = `Rate clip ${clip + 1}: ${rating} of ${scale}`;
+    b.addEventListener("click", () => setRating(clip, rating));
+    points.append(b);
+  }
+  caption.append(points);
+  fig.append(v, caption);
+  return fig;
+}
+
+const rating = {
+  noun: "rating",
+  view: "#rating",
+  controls: "#rate-controls",
+  show(q) {
+    const box = $("#rating");
+    scale = q.rating_scale;
+    ratings = q.clip_urls.map(() => null);   // also for ratings back from an undo: the person rates again
+    ratedOrder = [];
+    if (box.dataset.queryId !== String(q.query_id)) {
+      $("#rate-clips").replaceChildren(...q.clip_urls.map(ratingFigure));
+      box.dataset.queryId = String(q.query_id);
+    }
+    renderRatings();
+    startTogether(box);
+  },
+  key(ev) {
+    const digit = ev.key === "0" ? 10 : Number(ev.key);
+    const next = ratings.indexOf(null);
+    if (/^[0-9]$/.test(ev.key)) { if (digit >= 1 && digit <= scale && next >= 0) setRating(next, digit); return true; }
+    if (ev.key === UNDO_KEY && ratedOrder.length) { ratings[ratedOrder.pop()] = null; renderRatings(); return true; }
+    if (ev.key === "Enter") return next < 0 ? this.submit() : true;
+    if (ev.key === "ArrowDown") return { choice: "skip" };
+    return null;
+  },
+  submit() { return { ratings: [...ratings] }; },
+  describe(answer) {
+    if (!answer.ratings) return `“${CHOICE_NAMES[answer.choice]}”`;
+    return `the ratings ${answer.ratings.map((r, clip) => `Clip ${clip + 1}: ${r}`).join(", ")}`;
+  },
+  markEarlier(answer) { $("#rate-hint").textContent = `Your earlier answer: ${this.describe(answer)}. Rate each clip again.`; },
+};
+
+export const COMPONENTS = { pair, ranking, rating };
 
 // The component of query q (a server from before rankings sends no kind: its queries are pairs).
 export function componentOf(q) { return COMPONENTS[(q && q.kind) || "pair"]; }

@@ -38,7 +38,7 @@ export function getNext({ annotator, runId, exclude }) {
   return call(url);
 }
 
-// `answer`: {choice} (a pair, or a skip), or {ranking: clip positions, best first}
+// `answer`: {choice} (a pair, or a skip), {ranking: clip positions, best first}, or {ratings: each clip's, in order}
 export const postLabel = (queryId, answer, annotator) =>
   call(`/api/queries/${queryId}/label`, { method: "POST", body: { ...answer, annotator } });
 

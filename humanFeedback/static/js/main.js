@@ -151,14 +151,16 @@ function prefetch() {
 
 // ------------------------------------------------------------------ answering
 
-// `given`: the answer of the query on screen, {choice} or {ranking} (answers.js)
+// `given`: the answer of the query on screen, {choice}, {ranking} or {ratings} (answers.js)
 function answer(given) {
   const q = state.current;
   if (!q || !state.config || !given || (given.choice !== undefined && !state.config.choices.includes(given.choice))) return;
   state.current = null;
   setChoicesEnabled(false);
   const box = outbox();   // kept in this browser first: nothing given is lost if the server is away
-  box[q.query_id] = { choice: given.choice, ranking: given.ranking, annotator: state.annotator, run_id: q.run_id, session: q.session };
+  box[q.query_id] = {
+    choice: given.choice, ranking: given.ranking, ratings: given.ratings, annotator: state.annotator, run_id: q.run_id, session: q.session,
+  };
   saveOutbox(box);
   state.lastSession = { run: q.run_id, session: q.session };
   const done = sendLabel(q.query_id);
@@ -184,7 +186,8 @@ async function sendUntilAnswered(queryId) {
     const a = outbox()[queryId];
     if (!a) return null;   // sent by another tab, or dropped
     try {
-      const res = await postLabel(queryId, a.ranking ? { ranking: a.ranking } : { choice: a.choice }, a.annotator);
+      const body = a.ranking ? { ranking: a.ranking } : a.ratings ? { ratings: a.ratings } : { choice: a.choice };
+      const res = await postLabel(queryId, body, a.annotator);
       const box = outbox(); delete box[queryId]; saveOutbox(box);
       noteProgress(a.run_id, a.session, res.progress);
       if (state.offlineSince !== null && Object.keys(box).length === 0) {
@@ -247,7 +250,7 @@ async function undoLast() {
     clearTimeout(state.pollTimer);
     show(q);
     const component = componentOf(q);
-    const undone = { choice: res.undone_choice, ranking: res.undone_ranking };
+    const undone = { choice: res.undone_choice, ranking: res.undone_ranking, ratings: res.undone_ratings };
     component.markEarlier(undone);
     const counts = {
       yes: "choose again: the agent learns from your new answer",
@@ -329,7 +332,9 @@ document.addEventListener("keydown", (ev) => {
 for (const b of document.querySelectorAll("button.choice")) {
   b.addEventListener("click", () => answer({ choice: b.dataset.choice }));
 }
-$("#rank-submit").addEventListener("click", () => { if (state.current) answer(componentOf(state.current).submit()); });
+for (const sel of ["#rank-submit", "#rate-submit"]) {
+  $(sel).addEventListener("click", () => { if (state.current) answer(componentOf(state.current).submit()); });
+}
 $("#undo").addEventListener("click", undoLast);
 $("#speed").addEventListener("change", () => {
   localStorage.setItem(SPEED_KEY, $("#speed").value);

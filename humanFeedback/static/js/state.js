@@ -7,7 +7,7 @@ const params = new URLSearchParams(location.search);
 export const NAME_KEY = "cleanrlhf.feedback.annotator";
 export const SPEED_KEY = "cleanrlhf.feedback.speed";
 export const RUN_KEY = "cleanrlhf.feedback.run";
-// Answers not yet acknowledged by the server, kept in this browser until they are: {query_id: {choice or ranking, annotator,
+// Answers not yet acknowledged by the server, kept in this browser until they are: {query_id: {choice, ranking or ratings, annotator,
 // run_id, session}}. They survive an outage, a reload and a closed tab, are sent again until the server answers
 // (it stores a repeated answer once), and their pairs are never asked again meanwhile (excluded from /api/next).
 const OUTBOX_KEY = "cleanrlhf.feedback.outbox";
