@@ -8,6 +8,7 @@ each session's answers) and once with --feedback-async. The behaviour is the win
     python bench/simulated_person.py                                  # windmill clockwise, seeds 1 2 3, async and sync
     python bench/simulated_person.py --seeds 1 --modes async --objective windmill-counterclockwise
     python bench/simulated_person.py --modes async --clips-per-query 2 3 4 --labels 30 13 9   # pairs against rankings
+    python bench/simulated_person.py --modes async --clips-per-query 2 2 --rating-scales 0 5 --labels 30 13   # and ratings
 
 With --clips-per-query k > 2 the trainer asks for rankings of k clips and the person orders them in the page (keys
 1..k best first, then Enter). Their time model: the clips play together and are watched once, then every clip placed
@@ -16,7 +17,11 @@ synthetic teacher's for rankings (cleanrlhf_utils.feedback.SyntheticTeacher.rank
 returns: Plackett-Luce at --person-beta, a mistake replacing the order by another). Each --clips-per-query value runs
 with its own label budget (--labels, one value for all kinds or one per kind), so kinds can be set against each other at
 about equal minutes of the person's time, which each row reports (person_minutes: watching and thinking, waiting left
-out).
+out). With --rating-scales (one per --clips-per-query; 0: compare or rank) the trainer asks for ratings of each of the
+query's clips on that scale, and the person rates them in the page (a digit per clip, then Enter): the clips watched
+once together, then a drawn delay per clip (each rating is a judgement of its own: k delays), noise as the synthetic
+teacher's ratings (SyntheticTeacher.rate_true_rewards: equal bins between the worst and best clip seen, a mistake
+replacing a clip's rating by another).
 
 How the person knows what a clip shows: the trainer logs each uploaded pair with its objective returns in
 runs/<run>/shown_pairs.jsonl (what `--teacher-objective` does in human mode); the person reads the query id of the
@@ -62,6 +67,7 @@ from novel_behaviours import WINDMILL
 from cleanrlhf_utils.feedback import FeedbackClient, FeedbackServerUnreachable, SyntheticTeacher
 from cleanrlhf_utils.protocol import TOKEN_ENV  # read by the trainer when no --feedback-server-token is given
 from cleanrlhf_utils.rankings import MAX_CLIPS, clip_pairs, orders
+from cleanrlhf_utils.ratings import MAX_SCALE, clip_ratings
 
 CHROMIUM = "/usr/bin/chromium"
 
@@ -97,12 +103,13 @@ class ShownPairs:
 class Person:
     """Answers by the objective's segment returns: beta-rational (P(right) = sigmoid(beta (R_right - R_left))) when
     beta >= 0, else the larger return; then flips the answer with probability eps_mistake. Ranks k clips as the
-    synthetic teacher does, from the same noise settings."""
+    synthetic teacher does, from the same noise settings, and rates them on a scale as it does (anchored on the worst
+    and best clip seen so far)."""
 
-    def __init__(self, beta: float, eps_mistake: float, delay: tuple[float, float], seed: int):
+    def __init__(self, beta: float, eps_mistake: float, delay: tuple[float, float], seed: int, rating_scale: int = 0):
         self.beta, self.eps_mistake, self.delay = beta, eps_mistake, delay
         self.rng = random.Random(seed)
-        self.ranker = SyntheticTeacher(beta, 1.0, eps_mistake, 0.0, 0.0, seed=seed)
+        self.ranker = SyntheticTeacher(beta, 1.0, eps_mistake, 0.0, 0.0, seed=seed, rating_scale=rating_scale)
 
     def choose(self, left: float, right: float) -> str:
         if self.beta >= 0:
@@ -119,16 +126,23 @@ class Person:
         label = self.ranker.rank_true_rewards(np.array(returns, dtype=np.float64)[None, :, None])[0]
         return orders(len(returns))[int(label)].tolist()
 
-    def thinking_seconds(self, clips: int = 2) -> float:
-        """A drawn delay per judgement: a pair is one, a ranking of k clips k - 1 (each clip placed after the first)."""
-        return sum(self.rng.uniform(*self.delay) for _ in range(clips - 1))
+    def rate(self, returns: tuple[float, ...]) -> list[int]:
+        """Each clip's rating, 1 .. the scale, in the order shown."""
+        label = self.ranker.rate_true_rewards(np.array(returns, dtype=np.float64)[None, :, None])
+        return (clip_ratings(label, len(returns), self.ranker.rating_scale)[0] + 1).tolist()
+
+    def thinking_seconds(self, clips: int = 2, rated: bool = False) -> float:
+        """A drawn delay per judgement: a pair is one, a ranking of k clips k - 1 (each clip placed after the first),
+        ratings of k clips k (each clip's own)."""
+        return sum(self.rng.uniform(*self.delay) for _ in range(clips if rated else clips - 1))
 
 
-def agreement(order: list[int], returns: tuple[float, ...]) -> float | None:
-    """The share of the answer's clip pairs that it orders as the objective does (pairs the objective ties left out);
-    None when the objective ties them all. `order`: the clips best first."""
-    place = {clip: rank for rank, clip in enumerate(order)}
-    judged = [(place[i] < place[j]) == (returns[i] > returns[j]) for i, j in zip(*clip_pairs(len(returns))) if returns[i] != returns[j]]
+def agreement(scores: list[float], returns: tuple[float, ...]) -> float | None:
+    """The share of the answer's clip pairs that it orders as the objective does (pairs the objective ties, and clips
+    the answer scores alike, left out); None when none is left. `scores`: each clip's, higher is better (minus its
+    place in a ranking, its rating)."""
+    pairs = zip(*clip_pairs(len(returns)))
+    judged = [(scores[i] > scores[j]) == (returns[i] > returns[j]) for i, j in pairs if returns[i] != returns[j] and scores[i] != scores[j]]
     return statistics.mean(judged) if judged else None
 
 
@@ -140,28 +154,39 @@ PLAYING = (
     " return v.length === clips && v.every(x => x.readyState >= 2 && x.duration > 0) ?"
     " Math.max(...v.map(x => x.duration / (x.playbackRate || 1))) : null; }"
 )
-VIEWS = {"pair": ("#pairs", ".pair.active video"), "ranking": ("#ranking", "#rank-clips video")}
+VIEWS = {"pair": ("#pairs", ".pair.active video"), "ranking": ("#ranking", "#rank-clips video"), "rating": ("#rating", "#rate-clips video")}
 """a query's view and its videos in the page, by kind"""
 
 
-def answer_in_page(page, person: Person, returns: tuple[float, ...]) -> tuple[str | list[int], list[int]]:
+def query_kind(clips: int, rating_scale: int) -> str:
+    return "rating" if rating_scale else "pair" if clips == 2 else "ranking"
+
+
+def answer_in_page(page, person: Person, returns: tuple[float, ...], rating_scale: int) -> tuple[str | list[int], list[float]]:
     """The person's answer to the query on screen, given as a person would: a click on the preferred clip of a pair,
-    or the clips' keys best first and Enter for a ranking. Returns the answer and the order it puts the clips in."""
+    the clips' keys best first and Enter for a ranking, a digit per clip (0 for 10) and Enter for ratings. Returns the
+    answer and each clip's score under it (higher is better)."""
+    if rating_scale:
+        ratings = person.rate(returns)
+        for rating in ratings:
+            page.keyboard.press(str(rating % 10))
+        page.keyboard.press("Enter")
+        return ratings, ratings
     if len(returns) == 2:
         choice = person.choose(*returns)
         page.click(f"button.choice[data-choice={choice}]")
-        return choice, [1, 0] if choice == "right" else [0, 1]
+        return choice, [0, 1] if choice == "right" else [1, 0]
     order = person.rank(returns)
     for clip in order:
         page.keyboard.press(str(clip + 1))
     page.keyboard.press("Enter")
-    return order, order
+    return order, [-order.index(clip) for clip in range(len(returns))]
 
 
-def label_through_page(base: str, token: str, trainer, shown: ShownPairs, person: Person, started: float, clips: int) -> dict:
+def label_through_page(base: str, token: str, trainer, shown: ShownPairs, person: Person, started: float, clips: int, scale: int) -> dict:
     """The person's session: open the page, give a name, then until the trainer exits: wait for a new query of
-    `clips` clips, watch it for its clips' length plus the drawn thinking, answer. Returns what the person saw and did
-    (times from `started`)."""
+    `clips` clips (to rate on `scale`, or 0), watch it for its clips' length plus the drawn thinking, answer. Returns
+    what the person saw and did (times from `started`)."""
     from playwright.sync_api import Error as PlaywrightError
     from playwright.sync_api import TimeoutError as PlaywrightTimeout
     from playwright.sync_api import sync_playwright
@@ -187,7 +212,7 @@ def label_through_page(base: str, token: str, trainer, shown: ShownPairs, person
         page.fill("#annotator-input", "simulated-person")
         page.click("#name-save")
         last, answered_at, first_shown = "", None, None
-        view, videos = VIEWS["pair" if clips == 2 else "ranking"]
+        view, videos = VIEWS[query_kind(clips, scale)]
         while trainer.poll() is None:
             try:
                 handle = page.wait_for_function(SHOWN_QUERY, arg=[view, last], timeout=1000, polling=50)
@@ -201,18 +226,18 @@ def label_through_page(base: str, token: str, trainer, shown: ShownPairs, person
                 waits.append(now - answered_at)
             returns = shown.lookup(int(query_id))
             clip_seconds = page.wait_for_function(PLAYING, arg=[videos, clips], timeout=10_000, polling=50).json_value()
-            time.sleep(clip_seconds + person.thinking_seconds(clips))  # the clips once (together), then the thinking
-            answer, order = answer_in_page(page, person, returns)
+            time.sleep(clip_seconds + person.thinking_seconds(clips, bool(scale)))  # the clips once (together), then thinking
+            answer, scores = answer_in_page(page, person, returns, scale)
             answered_at = time.perf_counter() - started
             answers.append({"query_id": int(query_id), "shown_s": round(now, 3), "answered_s": round(answered_at, 3)})
-            answers[-1] |= {"clip_seconds": round(clip_seconds, 3), "choice": answer, "agrees_with_objective": agreement(order, returns)}
+            answers[-1] |= {"clip_seconds": round(clip_seconds, 3), "choice": answer, "agrees_with_objective": agreement(scores, returns)}
             last = query_id
         pending = page.evaluate("() => Object.keys(JSON.parse(localStorage.getItem('cleanrlhf.feedback.outbox') || '{}')).length")
         browser.close()
     return {"answers": answers, "waits": waits, "first_shown": first_shown, "page_errors": errors, "unsent": pending}
 
 
-def trainer_flags(args, seed: int, run_name: str, base: str, asynchronous: bool, clips: int, labels: int) -> list[str]:
+def trainer_flags(args, seed: int, run_name: str, base: str, asynchronous: bool, clips: int, scale: int, labels: int) -> list[str]:
     return [
         "--env-id", args.env_id, "--teacher-objective", args.objective, "--seed", str(seed), "--run-name", run_name,
         "--total-timesteps", str(args.steps), "--total-explore-steps", str(args.explore_steps),
@@ -221,7 +246,7 @@ def trainer_flags(args, seed: int, run_name: str, base: str, asynchronous: bool,
         "--teacher-feedback-frequency", str(args.feedback_frequency), "--evaluation-frequency", str(args.evaluation_frequency),
         "--evaluation-episodes", "5", "--checkpoint-frequency", "0", "--torch-threads", "1", "--no-cuda",
         "--teacher-feedback-mode", "human", "--feedback-server-url", base, "--feedback-server-autostart",
-        "--clips-per-query", str(clips),
+        "--clips-per-query", str(clips), *(["--rating-scale", str(scale)] if scale else []),
         *(["--feedback-async"] if asynchronous else []),
         *(["--feedback-async-poll-steps", str(args.async_poll_steps)] if asynchronous and args.async_poll_steps else []),
         *shlex.split(args.preference_flags),
@@ -238,20 +263,20 @@ def trainer_agreement(workdir: Path, run_name: str) -> float | None:
     return statistics.mean(e.value for e in events.Scalars("feedback/objective_agreement"))
 
 
-def one_run(args, seed: int, asynchronous: bool, clips: int, labels: int) -> dict:
+def one_run(args, seed: int, asynchronous: bool, clips: int, scale: int, labels: int) -> dict:
     mode = "async" if asynchronous else "sync"
-    run_name = f"person_{mode}_{args.objective}_k{clips}_{seed}_{int(time.time())}"
+    run_name = f"person_{mode}_{args.objective}_k{clips}{f'r{scale}' if scale else ''}_{seed}_{int(time.time())}"
     base, token = f"http://127.0.0.1:{free_port()}", secrets.token_urlsafe(16)
     os.environ[TOKEN_ENV] = token
     started = time.perf_counter()
     trainer = start_script(
-        DEFENCE_SCRIPTS[args.robust_labels], trainer_flags(args, seed, run_name, base, asynchronous, clips, labels), args.workdir,
+        DEFENCE_SCRIPTS[args.robust_labels], trainer_flags(args, seed, run_name, base, asynchronous, clips, scale, labels), args.workdir,
         log=args.workdir / f"{run_name}.log",
     )  # fmt: skip
     try:
-        person = Person(args.person_beta, args.person_eps_mistake, tuple(args.answer_delay), seed)
+        person = Person(args.person_beta, args.person_eps_mistake, tuple(args.answer_delay), seed, scale)
         shown = ShownPairs(args.workdir / "runs" / run_name / "shown_pairs.jsonl")
-        seen = label_through_page(base, token, trainer, shown, person, started, clips)
+        seen = label_through_page(base, token, trainer, shown, person, started, clips, scale)
     finally:
         if trainer.poll() is None:
             trainer.kill()
@@ -262,7 +287,7 @@ def one_run(args, seed: int, asynchronous: bool, clips: int, labels: int) -> dic
     labelling = answers[-1]["answered_s"] - seen["first_shown"] if answers else 0.0
     judged = [a["agrees_with_objective"] for a in answers if a["agrees_with_objective"] is not None]
     return {
-        "mode": mode, "clips": clips, "seed": seed, "run_name": run_name, "labels": len(answers),
+        "mode": mode, "clips": clips, "rating_scale": scale, "seed": seed, "run_name": run_name, "labels": len(answers),
         "person_minutes": sum(a["answered_s"] - a["shown_s"] for a in answers) / 60,
         "labels_obtained": summary["labels_obtained"], "exactly_once": summary["labels_obtained"] == len(answers) and seen["unsent"] == 0,
         "first_pair_s": seen["first_shown"], "labelling_s": labelling,
@@ -282,6 +307,7 @@ def one_run(args, seed: int, asynchronous: bool, clips: int, labels: int) -> dic
 COLUMNS = [
     "mode",
     "clips",
+    "rating_scale",
     "seed",
     "labels",
     "person_minutes",
@@ -311,6 +337,10 @@ def main() -> None:
     parser.add_argument(
         "--clips-per-query", type=int, nargs="+", default=[2], help=f"clips the person compares (2) or ranks (3..{MAX_CLIPS}), a run each"
     )
+    parser.add_argument(
+        "--rating-scales", type=int, nargs="+", default=None,
+        help=f"one per --clips-per-query: 0 compares or ranks, 2..{MAX_SCALE} rates each clip on that scale (default: all 0)",
+    )  # fmt: skip
     parser.add_argument("--pairs-per-session", type=int, default=10)
     parser.add_argument("--feedback-frequency", type=int, default=500, help="steps between sessions (async: at least)")
     parser.add_argument("--evaluation-frequency", type=int, default=3000)
@@ -340,34 +370,43 @@ def main() -> None:
         parser.error(f"--clips-per-query {wrong[0]}: a query shows 2 to {MAX_CLIPS} clips")
     if len(args.labels) not in (1, len(args.clips_per_query)):
         parser.error(f"--labels takes one budget or one per --clips-per-query ({len(args.clips_per_query)}), got {len(args.labels)}")
-    budgets = dict(zip(args.clips_per_query, args.labels * len(args.clips_per_query) if len(args.labels) == 1 else args.labels))
+    args.rating_scales = args.rating_scales or [0] * len(args.clips_per_query)
+    if len(args.rating_scales) != len(args.clips_per_query):
+        parser.error(f"--rating-scales takes one per --clips-per-query ({len(args.clips_per_query)}), got {len(args.rating_scales)}")
+    if off := [n for n in args.rating_scales if n != 0 and not 2 <= n <= MAX_SCALE]:
+        parser.error(f"--rating-scales {off[0]}: 0 (compare or rank) or a scale of 2 to {MAX_SCALE} points")
+    kinds = list(zip(args.clips_per_query, args.rating_scales))
+    if len(set(kinds)) < len(kinds):
+        parser.error(f"--clips-per-query and --rating-scales name a kind of query twice: {kinds}")
+    budgets = dict(zip(kinds, args.labels * len(kinds) if len(args.labels) == 1 else args.labels))
 
     output = args.output if args.output.is_absolute() else Path.cwd() / args.output
     settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     rows = []
     for seed in args.seeds:
-        for mode, clips in itertools.product(args.modes, args.clips_per_query):
-            kind = "pairs" if clips == 2 else f"rankings of {clips} clips"
-            print(f"{mode} run, seed {seed}: {args.steps} steps, {budgets[clips]} {kind} through the page", flush=True)
-            rows.append(one_run(args, seed, mode == "async", clips, budgets[clips]))
+        for mode, (clips, scale) in itertools.product(args.modes, kinds):
+            kind = {"pair": "pairs", "ranking": f"rankings of {clips} clips", "rating": f"ratings of {clips} clips on {scale} points"}
+            print(f"{mode} run, seed {seed}: {args.steps} steps, {budgets[clips, scale]} {kind[query_kind(clips, scale)]} through the page")
+            rows.append(one_run(args, seed, mode == "async", clips, scale, budgets[clips, scale]))
             print_table(rows[-1:], COLUMNS)
             # after every run, so a stopped benchmark keeps the runs it finished ("complete": false until the last)
             result = {"benchmark": "simulated_person", "command": shlex.join(["python", "bench/simulated_person.py", *sys.argv[1:]])}
-            result["complete"] = len(rows) == len(args.seeds) * len(args.modes) * len(args.clips_per_query)
+            result["complete"] = len(rows) == len(args.seeds) * len(args.modes) * len(kinds)
             machine = machine_info() | {"load_average": list(os.getloadavg())}
             write_json(output, result | {"machine": machine, "settings": settings, "rows": rows, "medians": medians_per_kind(rows)})
     print_table(rows, COLUMNS)
     print("medians:")
-    print_table(medians_per_kind(rows), ["mode", "clips", "seeds", *COLUMNS[3:]])
+    print_table(medians_per_kind(rows), ["mode", "clips", "rating_scale", "seeds", *COLUMNS[4:]])
 
 
 def medians_per_kind(rows: list[dict]) -> list[dict]:
-    """Medians over seeds of each (mode, clips per query), in the order the runs came."""
+    """Medians over seeds of each (mode, clips per query, rating scale), in the order the runs came."""
     medians = []
-    for mode, clips in dict.fromkeys((r["mode"], r["clips"]) for r in rows):
-        mine = [r for r in rows if (r["mode"], r["clips"]) == (mode, clips)]
-        numeric = [c for c in COLUMNS[3:] if all(isinstance(r[c], (int, float)) and not isinstance(r[c], bool) for r in mine)]
-        medians.append({"mode": mode, "clips": clips, "seeds": len(mine)} | {c: statistics.median(r[c] for r in mine) for c in numeric})
+    for mode, clips, scale in dict.fromkeys((r["mode"], r["clips"], r.get("rating_scale", 0)) for r in rows):
+        mine = [r for r in rows if (r["mode"], r["clips"], r.get("rating_scale", 0)) == (mode, clips, scale)]
+        numeric = [c for c in COLUMNS[4:] if all(isinstance(r[c], (int, float)) and not isinstance(r[c], bool) for r in mine)]
+        kind = {"mode": mode, "clips": clips, "rating_scale": scale, "seeds": len(mine)}
+        medians.append(kind | {c: statistics.median(r[c] for r in mine) for c in numeric})
         medians[-1]["exactly_once"] = all(r["exactly_once"] for r in mine)
     return medians
 

@@ -2,6 +2,7 @@
 zero-reward windmill (server autostarted, token on), answering by the objective it wants from what each pair shows."""
 
 import json
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -65,21 +66,27 @@ def simulated_person():
     return simulated_person
 
 
-def test_the_person_ranks_by_the_objective_and_thinks_once_per_clip_placed():
+def test_the_person_ranks_and_rates_by_the_objective_and_thinks_once_per_judgement():
     person_module = simulated_person()
     person = person_module.Person(beta=-1.0, eps_mistake=0.0, delay=(1.0, 2.0), seed=3)
     assert person.rank((0.5, 2.0, -1.0, 1.0)) == [1, 3, 0, 2]
     assert person.choose(0.5, 2.0) == "right"
     for clips in (2, 3, 4):
         assert all(clips - 1 <= person.thinking_seconds(clips) <= 2 * (clips - 1) for _ in range(50))
-    # agreement: the share of the answer's clip pairs in the objective's order, ties left out
-    assert person_module.agreement([1, 3, 0, 2], (0.5, 2.0, -1.0, 1.0)) == 1.0
-    assert person_module.agreement([2, 0, 3, 1], (0.5, 2.0, -1.0, 1.0)) == 0.0
-    assert person_module.agreement([0, 1, 2], (1.0, 1.0, 0.0)) == 1.0  # the tied pair (0, 1) is not judged
+        assert all(clips <= person.thinking_seconds(clips, rated=True) <= 2 * clips for _ in range(50))  # a delay per clip
+    # agreement: the share of the answer's clip pairs in the objective's order, ties of either left out
+    assert person_module.agreement([2, 4, 1, 3], (0.5, 2.0, -1.0, 1.0)) == 1.0
+    assert person_module.agreement([-1, -3, 0, -2], (0.5, 2.0, -1.0, 1.0)) == 0.0
+    assert person_module.agreement([2, 1, 0], (1.0, 1.0, 0.0)) == 1.0  # the tied pair (0, 1) is not judged
+    assert person_module.agreement([3, 3, 1], (1.0, 2.0, 0.0)) == 1.0  # nor the pair rated alike
     assert person_module.agreement([1, 0], (1.0, 1.0)) is None
     # a person who always errs answers every ranking with an order other than the objective's
     wrong = person_module.Person(beta=-1.0, eps_mistake=1.0, delay=(0.0, 0.0), seed=3)
     assert all(wrong.rank((0.5, 2.0, -1.0)) != [1, 0, 2] for _ in range(30))
+    # ratings, 1 .. 5, anchored on the worst and best clip seen so far
+    rater = person_module.Person(beta=-1.0, eps_mistake=0.0, delay=(0.0, 0.0), seed=3, rating_scale=5)
+    assert rater.rate((0.0, 10.0)) == [1, 5] and rater.rate((4.0, 6.0)) == [3, 4] and rater.rate((-10.0, 10.0)) == [1, 5]
+    assert rater.rate((4.0, 6.0)) == [4, 5]  # the worse clip seen since stretched the scale: they rate higher
 
 
 def test_a_person_ranks_three_clips_on_the_page_and_the_run_learns_their_orders(tmp_path):
@@ -108,3 +115,34 @@ def test_a_person_ranks_three_clips_on_the_page_and_the_run_learns_their_orders(
     assert segments["obs_actions"].shape[1] == 3 and all(len(set(query)) == 3 for query in returns.tolist())  # no ties
     np.testing.assert_array_equal(labels, order_labels(np.argsort(-returns, axis=1)).astype(np.float32))
     assert json.loads((run_dir / "args.json").read_text())["clips_per_query"] == 3
+
+
+def test_a_person_rates_clips_on_the_page_and_the_run_learns_their_ratings(tmp_path):
+    from cleanrlhf_utils.ratings import rating_labels
+
+    command = [
+        sys.executable, str(REPO / "bench" / "simulated_person.py"), "--seeds", "1", "--modes", "async",
+        "--objective", "windmill-counterclockwise", "--steps", "700", "--explore-steps", "500", "--labels", "3",
+        "--clips-per-query", "2", "--rating-scales", "4", "--pairs-per-session", "3", "--feedback-frequency", "300",
+        "--evaluation-frequency", "700", "--answer-delay", "0.1", "0.2", "--person-eps-mistake", "0",
+        f"--preference-flags={SMALL_NETWORKS}", "--workdir", str(tmp_path / "work"), "--output", str(tmp_path / "out.json"),
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    row = json.loads((tmp_path / "out.json").read_text())["rows"][0]
+    assert (row["clips"], row["rating_scale"]) == (2, 4) and row["labels"] == row["labels_obtained"] == 3 and row["exactly_once"]
+    assert not row["page_errors"]
+    # the clips watched once, together, then one judgement per clip (two delays of >= 0.1 s)
+    assert all(a["answered_s"] - a["shown_s"] >= a["clip_seconds"] + 0.2 for a in row["answers"])
+
+    # each label the run keeps is the ratings the person gave in the page, and they follow the objective's returns
+    run_dir = tmp_path / "work" / "runs" / row["run_name"]
+    segments, labels = read_label_file(run_dir / "labels.sqlite")
+    given = {a["query_id"]: a["choice"] for a in row["answers"]}
+    with sqlite3.connect(run_dir / "labels.sqlite") as db:
+        logged = dict(db.execute("SELECT query_id, label FROM labels"))
+    assert logged == {query: float(rating_labels(np.array([ratings]) - 1, 4)[0]) for query, ratings in given.items()}
+    returns = segment_rewards(load_objective("windmill-counterclockwise"), segments, obs_dim=3).sum(-1)
+    for (low, high), ratings in zip(np.argsort(returns, axis=1), [given[q] for q in sorted(given)]):
+        assert ratings[high] >= ratings[low]
+    assert json.loads((run_dir / "args.json").read_text())["rating_scale"] == 4
