@@ -19,6 +19,7 @@ import torch
 from test_end_to_end import small_args
 from test_feedback_server import Env, assert_error, batch, fake_mp4, form, upload, write_old_data_dir
 from test_human_feedback import free_port, run_token
+from test_labels_toolbox import labels_tool
 
 import sac_rlhf
 from cleanrlhf_utils.feedback import answer_label
@@ -275,3 +276,4 @@ def test_human_mode_ranks_three_clips_over_http_and_learns_the_latest_rankings(c
     assert sorted(prefs["labels"].tolist()) == sorted(expected.values())
     shown = [json.loads(line) for line in Path("runs/ranked/shown_pairs.jsonl").read_text().splitlines()]
     assert [len(line["segment_ids"]) for line in shown] == [3] * 6
+    assert labels_tool.check(Path("runs/ranked")) == []  # the run keeps each ranking as its server has it

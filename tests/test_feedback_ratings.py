@@ -10,6 +10,7 @@ import json
 import sqlite3
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,6 +19,7 @@ from test_end_to_end import small_args
 from test_feedback_rankings import rank, upload_rankings
 from test_feedback_server import Env, assert_error, fake_mp4, upload, write_old_data_dir
 from test_human_feedback import free_port, run_token
+from test_labels_toolbox import labels_tool
 
 import sac_rlhf
 from cleanrlhf_utils.feedback import answer_label
@@ -245,3 +247,6 @@ def test_human_mode_rates_clips_over_http_and_learns_the_latest_ratings(chdir_tm
     assert checkpoint["reward_model"]["rating_cut_parameters"].shape == (3, 3)
     shown = [json.loads(line) for line in open("runs/rated/shown_pairs.jsonl").read().splitlines()]
     assert [len(line["segment_ids"]) for line in shown] == [2] * 6
+    assert labels_tool.check(Path("runs/rated")) == []  # the run keeps each rating as its server has it
+    (served,) = labels_tool.main(["list", "runs/rated/feedback_data"])  # the server's ratings as the pairs they decide
+    assert served["labels"] == 6 and served["annotators"]["rater"]["tie"] == sum(a == b for a, b in person.given.values())

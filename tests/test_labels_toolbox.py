@@ -170,19 +170,28 @@ def test_imitation_export_says_what_it_needs_when_imitation_is_missing(stores):
     assert exit_info.value.code == 2 and not (stores["tmp"] / "p.pkl").exists()
 
 
-def test_a_label_log_of_rankings_is_refused_in_one_line_not_misread_as_pairs(tmp_path):
-    """A run with --clips-per-query 3 stores each ranking as one order index over 3 clips: listing or exporting it as
-    pairs would count its labels as left/right or crash on them."""
+def test_rankings_and_ratings_are_read_as_the_pairs_of_clips_they_decide(tmp_path):
+    """A run with --clips-per-query 3 stores each ranking as one order index over 3 clips, a run with --rating-scale
+    each query's ratings as one number: every command reads them as the pairs of clips they decide, in the order
+    shown, with those clips' segments."""
     rng = np.random.default_rng(0)
     segments = {
-        "obs_actions": rng.normal(size=(2, 3, L, OBS + ACT)).astype(np.float32),
-        "masks": np.ones((2, 3, L), dtype=bool),
-        "true_rewards": rng.normal(size=(2, 3, L)).astype(np.float32),
-        "physics_states": rng.normal(size=(2, 3, L, STATE)),
+        "obs_actions": rng.normal(size=(1, 3, L, OBS + ACT)).astype(np.float32),
+        "masks": np.ones((1, 3, L), dtype=bool),
+        "true_rewards": rng.normal(size=(1, 3, L)).astype(np.float32),
+        "physics_states": rng.normal(size=(1, 3, L, STATE)),
     }
-    store = log(tmp_path / "runs" / "ranked" / "labels.sqlite", segments, [4.0, 1.0], "ann")
-    for argv in (["list", str(store)], ["export", str(store), "--format", "npz", "--out", str(tmp_path / "x.npz")]):
-        proc = subprocess.run([sys.executable, str(ROOT / "toolbox" / "labels.py"), *argv], capture_output=True, text=True, timeout=60)
-        lines = proc.stderr.strip().splitlines()
-        assert proc.returncode == 2 and len(lines) == 1 and "its labels rank 3 clips" in lines[0] and str(store) in lines[0], proc.stderr
-    assert not (tmp_path / "x.npz").exists()
+    ranked = log(tmp_path / "runs" / "ranked" / "labels.sqlite", segments, [3.0], "ann")  # the order (1, 2, 0): index 3
+    rated = LabelLog(tmp_path / "runs" / "rated" / "labels.sqlite", rating_scale=5)
+    rated.append(segments, np.array([0 + 4 * 5 + 4 * 25], dtype=np.float32), ["bob"], 1, 100)  # rated 1, 5, 5
+    rated.close()
+    labels_tool.main(["export", str(ranked), str(tmp_path / "runs" / "rated"), "--format", "npz", "--out", str(tmp_path / "x.npz")])
+    with np.load(tmp_path / "x.npz") as data:
+        # pairs (0, 1), (0, 2), (1, 2): clip 1 ranked first, then 2, then 0; rated 1, 5 and 5 (the last two alike)
+        assert data["labels"].tolist() == [1.0, 1.0, 0.0, 1.0, 1.0, 0.5]
+        clips = [(0, 1), (0, 2), (1, 2)] * 2
+        expected = np.stack([segments["obs_actions"][0, [i, j]] for i, j in clips])
+        np.testing.assert_array_equal(data["obs_actions"], expected)
+        assert data["annotators"].tolist() == ["ann"] * 3 + ["bob"] * 3
+    (summary,) = labels_tool.main(["list", str(ranked)])
+    assert summary["labels"] == 3 and summary["annotators"]["ann"] == {"labels": 3, "left": 1, "right": 2, "tie": 0}

@@ -13,7 +13,10 @@
 # label with the pair's arrays) or a feedback server's database (<data-dir>/feedback.sqlite3: labels of queries,
 # with the trainer's segment ids and clip names but no arrays). A label is 0.0 (the first segment preferred, the
 # left clip), 1.0 (the second, right) or 0.5 (tie); skips are not labels. merge and import write LabelLog's format,
-# which --teacher-feedback-mode file --feedback-file reads.
+# which --teacher-feedback-mode file --feedback-file reads. A ranking of k clips (--clips-per-query k) or the ratings of
+# a query's clips (--rating-scale) are read as the k (k - 1) / 2 pairs of its clips they decide, in the order shown
+# (clip i before clip j): 1.0 where clip j is ranked or rated above clip i, 0.0 below, 0.5 for two clips rated alike;
+# so every command, and every export format, takes them as pairs.
 #
 # A pair is recognised across stores by the bytes of its two segments (obs_actions and mask of each; on a server: run
 # name and segment id), in either order: for agreement, a pair shown the other way round has its label flipped into
@@ -42,7 +45,9 @@ from pathlib import Path
 import numpy as np
 
 from cleanrlhf_utils.feedback import CHOICE_LABELS as FEEDBACK_CHOICE_LABELS
-from cleanrlhf_utils.feedback import LabelLog
+from cleanrlhf_utils.feedback import LabelLog, answer_label, query_pair_labels
+from cleanrlhf_utils.protocol import RANKED, RATED
+from cleanrlhf_utils.rankings import clip_pairs
 
 ARRAYS = LabelLog.ARRAYS  # obs_actions, masks, true_rewards, physics_states
 NPZ_FORMAT = "cleanrlhf-labels-v1"
@@ -110,34 +115,56 @@ def read_store(path: Path) -> tuple[str, list[Label], int]:
         db.close()
 
 
+def decided_pairs(label: float, clips: int, rating_scale: int) -> list[tuple[int, int, float]]:
+    """The pairs of a query's clips (i, j) its label decides, with each one's label: a pair's own label; a ranking's
+    or ratings' pairs (query_pair_labels)."""
+    values = query_pair_labels(np.array([label], dtype=np.float32), clips, rating_scale).reshape(-1)
+    return [(int(i), int(j), float(value)) for i, j, value in zip(*clip_pairs(clips), values)]
+
+
 def read_label_log(db: sqlite3.Connection, source: str) -> list[Label]:
+    columns = [row[1] for row in db.execute("PRAGMA table_info(labels)")]
+    scale = "rating_scale" if "rating_scale" in columns else "0"  # a log from before ratings holds none
     rows = db.execute(
-        "SELECT global_step, session, label, annotator, obs_actions, masks, true_rewards, physics_states, shapes FROM labels ORDER BY id"
+        "SELECT global_step, session, label, annotator, obs_actions, masks, true_rewards, physics_states, shapes, "
+        f"{scale} FROM labels ORDER BY id"
     )
     labels = []
-    for step, session, label, annotator, *blobs, shapes in rows:
+    for step, session, label, annotator, *blobs, shapes, rating_scale in rows:
         shapes = json.loads(shapes)
         arrays = {name: np.frombuffer(blob, dtype=shapes[name][1]).reshape(shapes[name][0]) for name, blob in zip(ARRAYS, blobs)}
-        clips = arrays["masks"].shape[0]
-        if clips != 2:  # a ranking (--clips-per-query k): its label is an order's index, not a choice between two
-            raise LabelsError(f"{source}: its labels rank {clips} clips; labels.py reads pairs (runs with --clips-per-query 2)")
-        hashes = tuple(segment_hash(arrays["obs_actions"][k], arrays["masks"][k]) for k in range(2))
-        labels.append(Label(source, annotator or "", float(label), session, int(step or 0), hashes, arrays))
+        hashes = [segment_hash(arrays["obs_actions"][k], arrays["masks"][k]) for k in range(arrays["masks"].shape[0])]
+        for i, j, value in decided_pairs(label, len(hashes), rating_scale or 0):
+            pair_arrays = {name: values[[i, j]] for name, values in arrays.items()}
+            labels.append(Label(source, annotator or "", value, session, int(step or 0), (hashes[i], hashes[j]), pair_arrays))
     return labels
 
 
 def read_server(db: sqlite3.Connection, source: str) -> tuple[list[Label], int]:
+    query_columns = [row[1] for row in db.execute("PRAGMA table_info(queries)")]
+    label_columns = [row[1] for row in db.execute("PRAGMA table_info(labels)")]
+    scale = "q.rating_scale" if "rating_scale" in query_columns else "NULL"  # a database from before rankings, ratings
+    answers = ", ".join(f"l.{name}" if name in label_columns else "NULL" for name in ("ranking", "ratings"))
     rows = db.execute(
-        "SELECT r.name, q.session, q.left_segment_id, q.right_segment_id, q.left_clip, q.right_clip, l.choice, l.annotator "
-        "FROM labels l JOIN queries q ON q.id = l.query_id JOIN runs r ON r.id = q.run_id ORDER BY l.id"
+        "SELECT r.name, q.id, q.session, q.left_segment_id, q.right_segment_id, q.left_clip, q.right_clip, l.choice, l.annotator, "
+        f"{scale}, {answers} FROM labels l JOIN queries q ON q.id = l.query_id JOIN runs r ON r.id = q.run_id ORDER BY l.id"
     ).fetchall()
     labels, skips = [], 0
-    for run, session, left, right, left_clip, right_clip, choice, annotator in rows:
+    for run, query_id, session, left, right, left_clip, right_clip, choice, annotator, rating_scale, ranking, ratings in rows:
         if choice == "skip":
             skips += 1
             continue
-        extra = {"run": run, "segment_ids": (left, right), "clips": (left_clip, right_clip)}
-        labels.append(Label(source, annotator, CHOICE_LABELS[choice], session, 0, (f"{run}:{left}", f"{run}:{right}"), None, extra))
+        if choice in (RANKED, RATED):  # every clip of the query, in the order shown; its answer as the pairs it decides
+            shown = db.execute("SELECT clip, segment_id FROM query_clips WHERE query_id = ? ORDER BY position", (query_id,)).fetchall()
+            answer = {"choice": choice, "ranking": json.loads(ranking or "null"), "ratings": json.loads(ratings or "null")}
+            decided = decided_pairs(answer_label(answer, rating_scale or 0), len(shown), rating_scale or 0)
+        else:
+            shown, decided = [(left_clip, left), (right_clip, right)], [(0, 1, CHOICE_LABELS[choice])]
+        for i, j, value in decided:
+            (clip_i, segment_i), (clip_j, segment_j) = shown[i], shown[j]
+            extra = {"run": run, "segment_ids": (segment_i, segment_j), "clips": (clip_i, clip_j)}
+            segments = (f"{run}:{segment_i}", f"{run}:{segment_j}")
+            labels.append(Label(source, annotator, value, session, 0, segments, None, extra))
     return labels, skips
 
 
@@ -407,6 +434,11 @@ class OneLineParser(argparse.ArgumentParser):
 # --------------------------------------------------------------------------------------------- check
 
 
+def label_name(label: float | None) -> str:
+    """A kept label as check reports it: a pair's choice, else the number a ranking or ratings are written as."""
+    return "no label" if label is None else NAMES.get(label, f"label {label:g}")
+
+
 def check(run_folder: Path, server_data: Path | None = None) -> list[str]:
     """Where a human-mode run's label log (runs/<run>/labels.sqlite) and its feedback server's answers disagree, one line
     per pair: a label the run keeps that the server has otherwise or not at all (undone), and an answer on the server the
@@ -425,18 +457,29 @@ def check(run_folder: Path, server_data: Path | None = None) -> list[str]:
         run = db.execute("SELECT id FROM runs WHERE name = ?", (name,)).fetchone()
         if run is None:
             raise LabelsError(f"{server_path} holds no run named {name}")
-        rows = db.execute("SELECT q.id, l.choice FROM queries q LEFT JOIN labels l ON l.query_id = q.id WHERE q.run_id = ?", run)
-        served = {query: choice for query, choice in rows}
+        query_columns = [row[1] for row in db.execute("PRAGMA table_info(queries)")]
+        label_columns = [row[1] for row in db.execute("PRAGMA table_info(labels)")]
+        scale = "q.rating_scale" if "rating_scale" in query_columns else "NULL"
+        answers = ", ".join(f"l.{name}" if name in label_columns else "NULL" for name in ("ranking", "ratings"))
+        rows = db.execute(
+            f"SELECT q.id, l.choice, {scale}, {answers} FROM queries q LEFT JOIN labels l ON l.query_id = q.id WHERE q.run_id = ?", run
+        )
+        served = {query: (choice, rating_scale, ranking, ratings) for query, choice, rating_scale, ranking, ratings in rows}
     differ = []
-    for query, choice in sorted(served.items()):
+    for query, (choice, rating_scale, ranking, ratings) in sorted(served.items()):
         label = kept.get(query)
-        if choice in CHOICE_LABELS and label != CHOICE_LABELS[choice]:
-            differ.append(f"pair {query}: the server has {choice!r}, the run {NAMES[label] if label is not None else 'no label'!r}")
-        elif choice not in CHOICE_LABELS and label is not None:
+        if choice in CHOICE_LABELS or choice in (RANKED, RATED):  # an answer the run learns from
+            answer = {"choice": choice, "ranking": json.loads(ranking or "null"), "ratings": json.loads(ratings or "null")}
+            if label != answer_label(answer, rating_scale or 0):
+                given = choice if choice in CHOICE_LABELS else answer["ranking"] or answer["ratings"]
+                differ.append(f"pair {query}: the server has {given!r}, the run {label_name(label)!r}")
+        elif label is not None:
             now = "a skip" if choice == "skip" else "no answer (undone)"
-            differ.append(f"pair {query}: the run keeps {NAMES[label]!r}, the server has {now}")
+            differ.append(f"pair {query}: the run keeps {label_name(label)!r}, the server has {now}")
     differ += [
-        f"pair {query}: the run keeps {NAMES[label]!r}, the server has no such pair" for query, label in kept.items() if query not in served
+        f"pair {query}: the run keeps {label_name(label)!r}, the server has no such pair"
+        for query, label in kept.items()
+        if query not in served
     ]
     return differ
 
