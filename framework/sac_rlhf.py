@@ -773,12 +773,18 @@ def surf_loss(model: RewardEnsemble, rb: ReplayBuffer, num_pairs: int, args, rng
 
 
 # --- Reward-model training: the preference model's loss, with SURF's crops and pseudo-labels and QPA's crops ---
+def labelled_loss(model: RewardEnsemble, returns: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """PREFERENCE_MODEL's loss of labelled queries, returns (E, b, clips) and labels (E, b): of ratings with the reward
+    model's cut points, of comparisons and rankings without."""
+    cuts = model.rating_cuts()
+    return PREFERENCE_MODEL.loss(returns, labels) if cuts is None else PREFERENCE_MODEL.loss(returns, labels, cuts)
+
+
 def reward_epoch(model: RewardEnsemble, optimizer, pairs: tuple, active, rb, args, rng, device, loss_fn=None) -> dict:
     """One epoch over the labelled pairs (segments, masks, labels) at `active`: every member sees its own shuffle, each
     pair once plus --qpa-augmentations cropped copies (all copies cropped with SURF), with SURF's pseudo-label loss.
-    `loss_fn(returns, labels)`: the labelled pairs' loss (default: PREFERENCE_MODEL.loss, of ratings with the model's
-    cuts). A rated clip is never cropped."""
-    loss_fn = loss_fn or (lambda returns, labels: PREFERENCE_MODEL.loss(returns, labels, model.rating_cuts()))
+    `loss_fn(returns, labels)`: the labelled pairs' loss (default: labelled_loss). A rated clip is never cropped."""
+    loss_fn = loss_fn or functools.partial(labelled_loss, model)
     all_segments, all_masks, all_labels = pairs
     ensemble, labelled, copies = model.ensemble_size, len(active), 1 + args.qpa_augmentations
     offsets = (args.min_augmentation_offset, args.max_augmentation_offset)

@@ -38,6 +38,7 @@ LOCKSTEP = [
     "select_queries",
     "session_pairs",
     "feedback_schedule",
+    "labelled_loss",
     "reward_epoch",
     "train_reward_model",
     "crop_segments",
