@@ -63,6 +63,9 @@ from common import (
 # (preference-based script, its short name, baseline script, its short name) per --algorithm.
 ALGORITHMS = {"sac": ("sac_rlhf.py", "pebble", "sac.py", "sac"), "ppo": ("pref_ppo.py", "pref_ppo", "ppo.py", "ppo")}
 # PPO's defaults are CleanRL's MuJoCo settings; classic-control envs get CleanRL's classic-control ones (both runs).
+# SAC's own settings per task, for the SAC baseline and the preference-based run alike, as the task's run script sets
+# them: Swimmer's reward is a slow drift that a 0.99 horizon barely sees (scripts/Swimmer-v5.sh: RL Zoo's tuned SAC).
+SAC_ENV_FLAGS = {"Swimmer-v5": ["--gamma", "0.9999"]}
 PPO_ENV_FLAGS = {
     "CartPole-v1": [
         "--num-envs", "4", "--num-steps", "128", "--num-minibatches", "4", "--update-epochs", "4",
@@ -169,6 +172,7 @@ def pebble_flags(args, seed: int, run_name: str) -> list[str]:
         "--teacher-feedback-frequency", str(args.feedback_frequency),
         "--evaluation-frequency", str(args.evaluation_frequency), "--evaluation-episodes", str(args.evaluation_episodes),
         "--checkpoint-frequency", str(args.checkpoint_frequency), *variant_flags(args.variant, args.env_id), *teacher_flags(args),
+        *(SAC_ENV_FLAGS.get(args.env_id, []) if args.algorithm == "sac" else []),
     ]  # fmt: skip
 
 
@@ -179,7 +183,7 @@ BASELINE_SETTINGS = ("algorithm", "env_id", "steps", "evaluation_frequency", "ev
 
 def baseline_flags(args, seed: int, run_name: str) -> list[str]:
     """sac.py's (or ppo.py's) flags: the true-reward run the preference-based one is compared with."""
-    extra = PPO_ENV_FLAGS.get(args.env_id, []) if args.algorithm == "ppo" else []
+    extra = (PPO_ENV_FLAGS if args.algorithm == "ppo" else SAC_ENV_FLAGS).get(args.env_id, [])
     # sac.py checkpoints and resumes (--resume-unfinished); ppo.py keeps no checkpoints, and a stopped PPO run restarts
     checkpoints = ["--checkpoint-frequency", str(args.checkpoint_frequency)] if args.algorithm == "sac" else []
     return [
@@ -420,7 +424,7 @@ def main() -> None:
     rlhf_script, rlhf, base_script, base = ALGORITHMS[args.algorithm]
     if args.algorithm == "sac":  # a label-noise defence is a variant of PEBBLE in a file of its own
         rlhf_script = DEFENCE_SCRIPTS[args.robust_labels]
-    extra = PPO_ENV_FLAGS.get(args.env_id, []) if args.algorithm == "ppo" else []
+    extra = PPO_ENV_FLAGS.get(args.env_id, []) if args.algorithm == "ppo" else []  # SAC's per task: in pebble_flags
     rlhf_extra = PREFERENCE_ENV_FLAGS.get(args.env_id, []) if args.algorithm == "ppo" else []
 
     # The process id too: two invocations started in the same second (two variants side by side) would otherwise

@@ -236,6 +236,17 @@ def test_feedback_efficiency_starts_each_script_with_flags_it_accepts(algorithm)
         assert baseline.checkpoint_frequency == 5000
 
 
+def test_feedback_efficiency_runs_swimmer_with_its_run_scripts_discount_on_both_sides():
+    """Swimmer's SAC baseline and its PEBBLE run both take scripts/Swimmer-v5.sh's --gamma: a comparison at another
+    discount than the recommended setting would measure the discount."""
+    script = (REPO / "scripts" / "Swimmer-v5.sh").read_text()
+    gamma = script.split("--gamma ")[1].split()[0]
+    settings = bench_settings(env_id="Swimmer-v5")
+    for flags in (feedback_efficiency.pebble_flags(settings, 1, "a"), feedback_efficiency.baseline_flags(settings, 1, "b")):
+        assert flags[flags.index("--gamma") + 1] == gamma == "0.9999"
+    assert "--gamma" not in feedback_efficiency.baseline_flags(bench_settings(env_id="Ant-v5"), 1, "b")
+
+
 def test_feedback_efficiency_variants_are_valid_runs_that_differ_only_as_named():
     """bench/feedback_efficiency.py --variant: each variant's flags parse and validate as sac_rlhf.py's own, and each QPA
     ablation is QPA with exactly its one part switched off (else the ablation would measure something else too)."""
