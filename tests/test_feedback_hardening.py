@@ -479,7 +479,7 @@ def test_label_rejects_unknown_keys_like_run_creation(server):
     (query_id,) = server.upload(run_id, "keys", 1)
     before = server.rows()
     body = {"choice": "left", "annotator": "a", "confidence": 0.9}
-    assert_json_error(server.post(f"/api/queries/{query_id}/label", json=body), 400, "confidence", "choice, ranking, annotator")
+    assert_json_error(server.post(f"/api/queries/{query_id}/label", json=body), 400, "confidence", "choice, ranking, ratings, annotator")
     assert_json_error(server.post(f"/api/queries/{query_id}/undo", json={"annotator": "a", "why": 1}), 400, "why")
     assert server.rows() == before
 

@@ -89,9 +89,9 @@ BAD_ANSWERS = {
     "a negative position": ({"ranking": [-1, 0, 1]}, "positions [-1] are not clips"),
     "positions that are not integers": ({"ranking": ["0", 1, 2]}, "a ranking is a list of clip positions"),
     "an order that is not a list": ({"ranking": "0,1,2"}, "a ranking is a list of clip positions"),
-    "a pair's choice": ({"choice": "left"}, "ranks 3 clips: answer it with a ranking or the choice skip"),
-    "a tie": ({"choice": "tie"}, "answer it with a ranking"),
-    "a choice and a ranking at once": ({"choice": "skip", "ranking": [0, 1, 2]}, "answer it with a ranking"),
+    "a pair's choice": ({"choice": "left"}, "asks for a ranking of its 3 clips or the choice skip"),
+    "a tie": ({"choice": "tie"}, "asks for a ranking of its 3 clips"),
+    "a choice and a ranking at once": ({"choice": "skip", "ranking": [0, 1, 2]}, "asks for a ranking of its 3 clips"),
     "neither": ({}, "a ranking is a list of clip positions"),
 }
 
