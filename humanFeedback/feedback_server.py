@@ -40,7 +40,9 @@ Routes, in four blueprints (errors are 4xx with ``{"error": "..."}`` and change 
          POST /api/runs/<run_id>/queries         trainer: multipart: 'queries' JSON list + clip files -> 201 {query_ids}; an
                                                  entry is a pair {left_clip, right_clip, left_segment_id, right_segment_id,
                                                  session}, a ranking of 3 to 6 clips {clips, segment_ids, session},
-                                                 or 2 to 6 clips to rate {clips, segment_ids, session, rating_scale}
+                                                 or 2 to 6 clips to rate {clips, segment_ids, session, rating_scale};
+                                                 with check_step, the reward-model check's clips of that step to reorder
+                                                 from the check view (never leased; GET .../evaluations names it)
          GET  /api/runs/<run_id>/answers?after=  trainer: {answers, cursor} (see below)
          GET  /api/runs/<run_id>/status          trainer: {queries, labelled, pending, choices}
          POST /api/runs/<run_id>/progress        trainer: its news {step, phase, total_steps?, sessions_done?, sessions_total?,
@@ -160,6 +162,7 @@ MIGRATIONS = (
     ("labels", "ranking", "TEXT", None),
     ("label_tombstones", "ranking", "TEXT", None),
     ("queries", "rating_scale", "INTEGER", None),
+    ("queries", "check_step", "INTEGER", None),
     ("labels", "ratings", "TEXT", None),
     ("label_tombstones", "ratings", "TEXT", None),
 )
@@ -611,14 +614,25 @@ def check_rating_scale(i: int, item) -> int | None:
     return scale
 
 
+def check_step_of(i: int, item) -> int | None:
+    """A query of the reward-model check's clips (check_step: the step of the check) or None."""
+    step = item.get("check_step")
+    if step is not None and not (isinstance(step, int) and not isinstance(step, bool) and 0 <= step <= MAX_ID):
+        raise ApiError(400, f"queries[{i}].check_step is {repr(step)[:40]}; it must be the check's step, an integer from 0.")
+    if step is not None and item.get("rating_scale") is not None:
+        raise ApiError(400, f"queries[{i}] has check_step and rating_scale; the check's clips are reordered, not rated.")
+    return step
+
+
 def check_ranking_entry(i: int, item) -> tuple[tuple, tuple, int | None]:
-    """A query of 3 to MAX_CLIPS clips to rank, or of 2 to MAX_CLIPS clips to rate (with its rating_scale): its clip
-    names and segment ids, in the order shown, and its scale (None: a ranking)."""
-    check_item_keys(item, i, "queries", RANKING_KEYS, optional=("rating_scale",))
+    """A query of 3 to MAX_CLIPS clips to rank, of 2 to MAX_CLIPS clips to rate (with its rating_scale), or of 2 to
+    MAX_CLIPS check clips to reorder (with its check_step): its clip names and segment ids, in the order shown, and its
+    scale (None: a ranking or a check)."""
+    check_item_keys(item, i, "queries", RANKING_KEYS, optional=("rating_scale", "check_step"))
     names, segments, scale = item["clips"], item["segment_ids"], check_rating_scale(i, item)
-    fewest = 3 if scale is None else 2
+    fewest = 3 if scale is None and check_step_of(i, item) is None else 2
     if not (isinstance(names, list) and fewest <= len(names) <= MAX_CLIPS):
-        kind = "to rank (a pair sends left_clip and right_clip)" if scale is None else "to rate"
+        kind = "to rate" if scale else "to reorder" if fewest == 2 else "to rank (a pair sends left_clip and right_clip)"
         raise ApiError(400, f"queries[{i}].clips must be a list of {fewest} to {MAX_CLIPS} clip names {kind}.")
     if not (isinstance(segments, list) and len(segments) == len(names)):
         raise ApiError(400, f"queries[{i}].segment_ids must be a list of one segment id per clip ({len(names)}).")
@@ -629,13 +643,16 @@ def check_ranking_entry(i: int, item) -> tuple[tuple, tuple, int | None]:
 
 
 def check_query_entry(i: int, item, clips_named: set[str]) -> tuple:
-    """A pair (left_clip, right_clip and their segment ids), a ranking (clips and segment_ids) or clips to rate (and
-    rating_scale): the row to store, the first two clips in the left and right columns, a ranking's or rating's clips
-    and segment ids (None for a pair) and the rating scale (None unless rated)."""
+    """A pair (left_clip, right_clip and their segment ids), a ranking (clips and segment_ids), clips to rate (and
+    rating_scale) or check clips to reorder (and check_step): the row to store, the first two clips in the left and
+    right columns, a ranking's or rating's clips and segment ids (None for a pair, and for two check clips, which are a
+    pair), the rating scale and the check step (None where it has none)."""
     if isinstance(item, dict) and "clips" in item:
         names, segments, scale = check_ranking_entry(i, item)
         clips_named.update(names)
-        return (id_value(item["session"], f"queries[{i}].session"), *names[:2], *segments[:2], names, segments, scale)
+        check_step = check_step_of(i, item)
+        listed = (None, None) if check_step is not None and len(names) == 2 else (names, segments)
+        return (id_value(item["session"], f"queries[{i}].session"), *names[:2], *segments[:2], *listed, scale, check_step)
     check_item_keys(item, i, "queries", PAIR_KEYS)
     left = check_clip_name(item["left_clip"], f"queries[{i}].left_clip")
     right = check_clip_name(item["right_clip"], f"queries[{i}].right_clip")
@@ -647,6 +664,7 @@ def check_query_entry(i: int, item, clips_named: set[str]) -> tuple:
         right,
         id_value(item["left_segment_id"], f"queries[{i}].left_segment_id"),
         id_value(item["right_segment_id"], f"queries[{i}].right_segment_id"),
+        None,
         None,
         None,
         None,
@@ -664,12 +682,12 @@ def ranked_clips(con: sqlite3.Connection, query_id: int) -> tuple[tuple, tuple] 
 
 
 def find_query(con: sqlite3.Connection, run_id: int, i: int, row: tuple) -> int | None:
-    session, left, right, lseg, rseg, names, segments, scale = row
+    session, left, right, lseg, rseg, names, segments, scale, check_step = row
     old = con.execute("SELECT * FROM queries WHERE run_id = ? AND left_clip = ? AND right_clip = ?", (run_id, left, right)).fetchone()
     if old is None:
         return None
     stored = (old["session"], old["left_segment_id"], old["right_segment_id"], *ranked_clips(con, old["id"]), old["rating_scale"])
-    if stored != (session, lseg, rseg, names, segments, scale):
+    if stored + (old["check_step"],) != (session, lseg, rseg, names, segments, scale, check_step):
         raise ApiError(
             409,
             f"queries[{i}] ({left!r} vs {right!r}) already exists as query {old['id']} with session "
@@ -680,11 +698,11 @@ def find_query(con: sqlite3.Connection, run_id: int, i: int, row: tuple) -> int 
 
 
 def insert_query(con: sqlite3.Connection, run_id: int, row: tuple, stamp: str) -> int:
-    session, left, right, lseg, rseg, names, segments, scale = row
+    session, left, right, lseg, rseg, names, segments, scale, check_step = row
     query_id = con.execute(
-        "INSERT INTO queries (run_id, session, left_clip, right_clip, left_segment_id, right_segment_id, created_at, rating_scale) "
-        "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-        (run_id, session, left, right, lseg, rseg, stamp, scale),
+        "INSERT INTO queries (run_id, session, left_clip, right_clip, left_segment_id, right_segment_id, created_at, rating_scale, "
+        "check_step) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        (run_id, session, left, right, lseg, rseg, stamp, scale, check_step),
     ).lastrowid
     if names is not None:
         con.executemany(
@@ -789,6 +807,7 @@ def query_payload(con: sqlite3.Connection, q: sqlite3.Row) -> dict:
         **run_instructions(con, q["run_id"]),
         "kind": kind,
         **({"rating_scale": q["rating_scale"]} if q["rating_scale"] else {}),
+        **({"check_step": q["check_step"]} if q["check_step"] is not None else {}),
         "clip_urls": [clip_url(q["run_id"], name) for name in names],
         "left_url": clip_url(q["run_id"], q["left_clip"]),
         "right_url": clip_url(q["run_id"], q["right_clip"]),
@@ -811,6 +830,7 @@ def lease(con: sqlite3.Connection, query_id: int, annotator: str, holder: str) -
 
 
 UNLABELLED = "NOT EXISTS (SELECT 1 FROM labels l WHERE l.query_id = q.id)"
+ASKED = "q.check_step IS NULL"  # a query the trainer asks (the check's clips are reordered from the check view instead)
 
 
 def pairs_held(con: sqlite3.Connection, holder: str, besides: int | None = None) -> int:
@@ -987,7 +1007,7 @@ def create_run():
 def run_status(run_id: int):
     con = db()
     require_run(con, run_id)
-    total = con.execute("SELECT COUNT(*) FROM queries WHERE run_id = ?", (run_id,)).fetchone()[0]
+    total = con.execute(f"SELECT COUNT(*) FROM queries q WHERE q.run_id = ? AND {ASKED}", (run_id,)).fetchone()[0]
     by_choice = dict.fromkeys(CHOICES, 0)  # and "ranked" or "rated", where rankings or ratings are answered
     for choice, n in con.execute(
         "SELECT l.choice, COUNT(*) FROM labels l JOIN queries q ON q.id = l.query_id WHERE q.run_id = ? GROUP BY l.choice", (run_id,)
@@ -1108,9 +1128,7 @@ def show_progress(run_id: int):
     require_run(con, run_id)
     reports = progress_reports(con, run_id)
     seen = cfg("trainer_seen").get(run_id)
-    pending = con.execute(
-        "SELECT COUNT(*) FROM queries q WHERE q.run_id = ? AND NOT EXISTS (SELECT 1 FROM labels l WHERE l.query_id = q.id)", (run_id,)
-    ).fetchone()[0]
+    pending = con.execute(f"SELECT COUNT(*) FROM queries q WHERE q.run_id = ? AND {ASKED} AND {UNLABELLED}", (run_id,)).fetchone()[0]
     return jsonify(
         run_id=run_id,
         progress=reports[0] if reports else None,
@@ -1153,7 +1171,7 @@ def next_query():
         if run_id is not None:
             require_run(con, run_id)
         held = pairs_held(con, holder)
-        sql = f"SELECT q.* FROM queries q WHERE {UNLABELLED} AND (q.lease_holder IS NULL OR q.lease_expires <= ? OR q.lease_holder = ?)"
+        sql = f"SELECT q.* FROM queries q WHERE {UNLABELLED} AND {ASKED} AND (q.lease_holder IS NULL OR q.lease_expires <= ? OR q.lease_holder = ?)"
         params: list = [now(), holder]
         if held >= MAX_LEASES_PER_ANNOTATOR:  # only a pair this annotator holds already
             sql += " AND q.lease_holder = ? AND q.lease_expires > ?"
@@ -1185,7 +1203,9 @@ def next_query():
 def check_may_answer(q: sqlite3.Row, holder: str) -> None:
     """A pair is answered by whom it was leased to (GET /api/next): a browser only answers its own pairs (its lease may
     have ended, as long as nobody else has the pair since: an answer kept in the browser through an outage still counts);
-    the token's scripts also answer a pair nobody holds."""
+    the token's scripts also answer a pair nobody holds. The check's clips are never leased: anyone reorders them."""
+    if q["check_step"] is not None:
+        return
     mine = q["lease_holder"] == holder
     if mine or (principal().session is None and (q["lease_holder"] is None or q["lease_expires"] <= now())):
         return
@@ -1284,7 +1304,7 @@ def undo_label(query_id: int):
     gets 429 and nothing changes."""
     if not cfg("allow_editing"):
         raise ApiError(403, "Undo is disabled on this server (--no-editing); labels cannot be changed.")
-    require_query(db(), query_id)
+    checking = require_query(db(), query_id)["check_step"] is not None  # the check's clips: never leased
     body = json_body(("annotator", "release"))
     annotator = annotator_arg(body.get("annotator"))
     holder = principal().holder(annotator)
@@ -1304,7 +1324,7 @@ def undo_label(query_id: int):
                 f"WHERE id = ? AND lease_holder = ? AND id IN (SELECT q.id FROM queries q WHERE {UNLABELLED})",
                 (released, holder),
             )
-        held = pairs_held(con, holder, besides=query_id)
+        held = 0 if checking else pairs_held(con, holder, besides=query_id)
         if held >= MAX_LEASES_PER_ANNOTATOR:
             raise ApiError(
                 429,
@@ -1327,7 +1347,8 @@ def undo_label(query_id: int):
             ),
         )
         con.execute("DELETE FROM labels WHERE id = ?", (old["id"],))
-        lease(con, query_id, annotator, holder)
+        if not checking:
+            lease(con, query_id, annotator, holder)
         q = con.execute("SELECT * FROM queries WHERE id = ?", (query_id,)).fetchone()
         payload, learned = query_payload(con, q), learning(con, q["run_id"])
     undone_ranking, undone_ratings = (None if old[name] is None else json.loads(old[name]) for name in ("ranking", "ratings"))
@@ -1378,7 +1399,9 @@ def upload_evaluations(run_id: int):
 @api.get(protocol.RUN_EVALUATIONS)
 def list_evaluations(run_id: int):
     """The reward model's check clips, highest predicted return first; with ?latest=1 only the newest clip of the agent
-    (highest step, then last uploaded; a check clip where the run uploads none of the agent): what it does now."""
+    (highest step, then last uploaded; a check clip where the run uploads none of the agent): what it does now. And
+    `reorder`: the newest check's clips as a query a person may reorder (the run uploads it where it learns from that),
+    or None."""
     latest = int_arg("latest", default=0, minimum=0, maximum=1)
     con = db()
     require_run(con, run_id)
@@ -1387,8 +1410,13 @@ def list_evaluations(run_id: int):
     else:
         sql = "SELECT * FROM evaluations WHERE run_id = ? AND kind = 'check' ORDER BY predicted_return DESC, id"
     rows = con.execute(sql, (run_id,)).fetchall()
+    check = con.execute(
+        "SELECT * FROM queries WHERE run_id = ? AND check_step IS NOT NULL ORDER BY check_step DESC, id DESC LIMIT 1", (run_id,)
+    )
+    check = check.fetchone()
     return jsonify(
         run_id=run_id,
+        reorder=None if check is None else query_payload(con, check),
         evaluations=[
             {
                 "evaluation_id": r["id"],

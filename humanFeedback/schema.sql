@@ -34,6 +34,9 @@ CREATE TABLE IF NOT EXISTS queries (
     lease_expires REAL,
     lease_holder TEXT,
     rating_scale INTEGER CHECK (rating_scale IS NULL OR (typeof(rating_scale) = 'integer' AND rating_scale BETWEEN 2 AND 10)),
+    -- the step of the reward-model check whose clips this query holds, to be reordered from the check view (never
+    -- leased by /api/next); NULL for the queries the trainer asks
+    check_step INTEGER CHECK (check_step IS NULL OR (typeof(check_step) = 'integer' AND check_step >= 0)),
     CHECK (left_clip <> right_clip),
     CHECK ((lease_annotator IS NULL) = (lease_expires IS NULL)),
     UNIQUE (run_id, left_clip, right_clip)

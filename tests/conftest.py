@@ -68,6 +68,8 @@ SLOW = {
     "test_newcomer.py::test_the_script_applies_human_defaults_from_its_command_line": "a human-mode run",
     "test_custom_env.py::test_zero_reward_windmill_learns_its_direction_from_labels_alone": "PEBBLE learns the windmill",
     "test_rankings.py::test_a_run_learns_from_rankings_and_logs_them_for_file_mode": "a run of each script, and its replay",
+    "test_ratings.py::test_a_run_learns_from_ratings_and_logs_them_for_file_mode": "a run of each script, and its replay",
+    "test_feedback_reorder.py::test_human_mode_learns_a_persons_reorders_of_the_check_as_the_pairs_they_decide": "a human-mode run",
     "test_custom_env.py::test_sac_rlhf_trains_on_the_windmill_with_an_objective": "a PEBBLE run",
     "test_custom_env.py::test_sac_baseline_trains_on_the_objective_as_its_reward": "a SAC run",
     "test_custom_env.py::test_baseline_ppo_runs_a_module_env_id": "a PPO run",

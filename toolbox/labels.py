@@ -35,6 +35,7 @@
 # int64 and clips (N, 2) str.
 import argparse
 import hashlib
+import itertools
 import json
 import pickle
 import sqlite3
@@ -45,7 +46,7 @@ from pathlib import Path
 import numpy as np
 
 from cleanrlhf_utils.feedback import CHOICE_LABELS as FEEDBACK_CHOICE_LABELS
-from cleanrlhf_utils.feedback import LabelLog, answer_label, query_pair_labels
+from cleanrlhf_utils.feedback import LabelLog, answer_label, query_pair_labels, reorder_label
 from cleanrlhf_utils.protocol import RANKED, RATED
 from cleanrlhf_utils.rankings import clip_pairs
 
@@ -434,15 +435,17 @@ class OneLineParser(argparse.ArgumentParser):
 # --------------------------------------------------------------------------------------------- check
 
 
-def label_name(label: float | None) -> str:
+def label_name(label: float) -> str:
     """A kept label as check reports it: a pair's choice, else the number a ranking or ratings are written as."""
-    return "no label" if label is None else NAMES.get(label, f"label {label:g}")
+    return NAMES.get(label, f"label {label:g}")
 
 
 def check(run_folder: Path, server_data: Path | None = None) -> list[str]:
     """Where a human-mode run's label log (runs/<run>/labels.sqlite) and its feedback server's answers disagree, one line
-    per pair: a label the run keeps that the server has otherwise or not at all (undone), and an answer on the server the
-    run does not keep. The server's database is the run's autostarted one (runs/<run>/feedback_data) unless given."""
+    per query: a label the run keeps that the server has otherwise or not at all (undone), and an answer on the server the
+    run does not keep. A reorder of the reward-model check is kept as the labels of every set of the run's clips per
+    query among its clips (cleanrlhf_utils.feedback.reorder_label): the run must keep exactly those. The server's
+    database is the run's autostarted one (runs/<run>/feedback_data) unless given."""
     log_path, name = run_folder / "labels.sqlite", run_folder.name
     server_path = (server_data or run_folder / "feedback_data") / "feedback.sqlite3"
     for path, what in ((log_path, "the run's label log"), (server_path, "the feedback server's database (give --server-data DIR)")):
@@ -452,33 +455,44 @@ def check(run_folder: Path, server_data: Path | None = None) -> list[str]:
         columns = [row[1] for row in db.execute("PRAGMA table_info(labels)")]
         if "query_id" not in columns:
             raise LabelsError(f"{log_path} keeps no query ids: its run labelled nothing through a feedback server")
-        kept = {query: label for query, label in db.execute("SELECT query_id, label FROM labels WHERE query_id IS NOT NULL")}
+        kept: dict[int, list[float]] = {}
+        clips_per_query = 2
+        for query, label, shapes in db.execute("SELECT query_id, label, shapes FROM labels WHERE query_id IS NOT NULL ORDER BY id"):
+            kept.setdefault(query, []).append(label)
+            clips_per_query = json.loads(shapes)["masks"][0][0]
     with sqlite3.connect(f"file:{server_path.resolve()}?mode=ro", uri=True) as db:
         run = db.execute("SELECT id FROM runs WHERE name = ?", (name,)).fetchone()
         if run is None:
             raise LabelsError(f"{server_path} holds no run named {name}")
         query_columns = [row[1] for row in db.execute("PRAGMA table_info(queries)")]
         label_columns = [row[1] for row in db.execute("PRAGMA table_info(labels)")]
-        scale = "q.rating_scale" if "rating_scale" in query_columns else "NULL"
+        extra = ", ".join(f"q.{name}" if name in query_columns else "NULL" for name in ("rating_scale", "check_step"))
         answers = ", ".join(f"l.{name}" if name in label_columns else "NULL" for name in ("ranking", "ratings"))
         rows = db.execute(
-            f"SELECT q.id, l.choice, {scale}, {answers} FROM queries q LEFT JOIN labels l ON l.query_id = q.id WHERE q.run_id = ?", run
-        )
-        served = {query: (choice, rating_scale, ranking, ratings) for query, choice, rating_scale, ranking, ratings in rows}
+            f"SELECT q.id, l.choice, {extra}, {answers}, (SELECT COUNT(*) FROM query_clips c WHERE c.query_id = q.id) "
+            "FROM queries q LEFT JOIN labels l ON l.query_id = q.id WHERE q.run_id = ?",
+            run,
+        ).fetchall()
     differ = []
-    for query, (choice, rating_scale, ranking, ratings) in sorted(served.items()):
-        label = kept.get(query)
+    for query, choice, rating_scale, check_step, ranking, ratings, shown in sorted(rows):
+        labels = sorted(kept.get(query, []))
         if choice in CHOICE_LABELS or choice in (RANKED, RATED):  # an answer the run learns from
             answer = {"choice": choice, "ranking": json.loads(ranking or "null"), "ratings": json.loads(ratings or "null")}
-            if label != answer_label(answer, rating_scale or 0):
+            if check_step is None:
+                expected = [answer_label(answer, rating_scale or 0)]
+            else:  # a reorder: every set of the run's clips per query among the check's clips (two: a pair)
+                subsets = itertools.combinations(range(shown or 2), clips_per_query)
+                expected = sorted(reorder_label(answer, subset) for subset in subsets)
+            if labels != expected:
                 given = choice if choice in CHOICE_LABELS else answer["ranking"] or answer["ratings"]
-                differ.append(f"pair {query}: the server has {given!r}, the run {label_name(label)!r}")
-        elif label is not None:
+                differ.append(f"pair {query}: the server has {given!r}, the run {' '.join(map(label_name, labels)) or 'no label'!r}")
+        elif labels:
             now = "a skip" if choice == "skip" else "no answer (undone)"
-            differ.append(f"pair {query}: the run keeps {label_name(label)!r}, the server has {now}")
+            differ.append(f"pair {query}: the run keeps {' '.join(map(label_name, labels))!r}, the server has {now}")
+    served = {row[0] for row in rows}
     differ += [
-        f"pair {query}: the run keeps {label_name(label)!r}, the server has no such pair"
-        for query, label in kept.items()
+        f"pair {query}: the run keeps {' '.join(map(label_name, labels))!r}, the server has no such pair"
+        for query, labels in kept.items()
         if query not in served
     ]
     return differ

@@ -14,6 +14,7 @@ import contextlib
 import copy
 import functools
 import hmac
+import itertools
 import json
 import math
 import os
@@ -34,7 +35,7 @@ from .checkpoints import training_state
 from .envs import SegmentRenderer, check_can_render, get_physics_state, make_env, segment_frames, write_mp4
 from .errors import ConfigError, check_ranges, need
 from .objectives import check_objective, load_objective, segment_rewards
-from .rankings import clip_pairs, order_labels, pair_labels
+from .rankings import MAX_CLIPS, clip_pairs, order_labels, pair_labels
 from .ratings import MAX_SCALE, RATING_SCALE_RANGE, rating_labels, rating_pair_labels
 from .stopping import stoppable_at_once
 
@@ -196,6 +197,22 @@ def answer_label(answer: dict, rating_scale: int = 0) -> float:
     if answer["choice"] == protocol.RATED:
         return float(rating_labels(np.array([answer["ratings"]]) - 1, rating_scale)[0])
     return CHOICE_LABELS[answer["choice"]]
+
+
+def reorder_label(answer: dict, positions: tuple[int, ...]) -> float:
+    """The label a person's reorder of the reward-model check (`answer`, over all of its clips) gives the check clips at
+    `positions` (a subset, in the order shown): their order within the person's, as rankings.order_labels writes it.
+    A check of two clips is asked as a pair: its choice (a skip: nan)."""
+    if answer["choice"] != protocol.RANKED:
+        return answer_label(answer)
+    within = [positions.index(place) for place in answer["ranking"] if place in positions]
+    return float(order_labels(np.array([within]))[0])
+
+
+def reorderable(args) -> bool:
+    """Whether people may reorder the reward-model check's clips as labels: its --feedback-check-clips (at most
+    rankings.MAX_CLIPS, at least a query's clips) and a run that compares or ranks (a reorder gives no ratings)."""
+    return args.rating_scale == 0 and args.clips_per_query <= args.feedback_check_clips <= MAX_CLIPS
 
 
 def query_entry(clips: list[str], segment_ids: list, session: int, rating_scale: int = 0) -> dict:
@@ -411,8 +428,9 @@ class Teacher(Protocol):
         """Called by the training loop every step: where training is, for a teacher that tells people (best effort,
         never waits)."""
 
-    def show_reward_check(self, states: np.ndarray, masks: np.ndarray, predicted_returns: np.ndarray, step: int) -> None:
-        """Segments with the reward model's predicted return, for people to compare with their own ranking."""
+    def show_reward_check(self, states, masks, predicted_returns, step: int, segment_ids=None, subsets=()) -> None:
+        """Segments with the reward model's predicted return, for people to compare with their own ranking (and, with
+        `subsets`, to reorder as labels)."""
 
     def show_evaluation(self, states: np.ndarray, step: int, mean_return: float) -> None:
         """The simulator states of an evaluation's first episode, for people to see what the agent does now."""
@@ -489,6 +507,8 @@ class HumanTeacher(Teacher):
             self.logged_pairs = {json.loads(line)["query_id"] for line in pair_log.read_text().splitlines() if line.strip()}
         self.answers: dict[int, dict] = {}  # query id -> latest answer (an undone one removed); kept in the checkpoint
         self.pair_query: dict[tuple[int, int], int] = {}  # (session, pair) -> query id of every pair uploaded
+        # (-check step, subset) -> the check clips' positions a label of a person's reorder of that check orders
+        self.check_subsets: dict[tuple[int, int], tuple[int, ...]] = {}
         self.open: dict | None = None  # the open session: {"session": n, "query_ids": [id or None per pair]}
         self.worker, self.stop_upload, self.upload_errors = None, threading.Event(), []
         self.render_lock = threading.Lock()  # one renderer: the pairs' upload thread and the page worker take turns
@@ -725,7 +745,7 @@ class HumanTeacher(Teacher):
             self._read_new_answers(retry=False)
         except FeedbackServerError:
             return None
-        return self._labels_of([self.pair_query.get(pair) for pair in pairs])
+        return self._labels_of([self.pair_query.get(pair) for pair in pairs], pairs)
 
     def finish(self) -> None:
         """The open session is answered: its upload thread (done by now) is told to stop, and the session closed."""
@@ -733,26 +753,36 @@ class HumanTeacher(Teacher):
         self.stop_upload.set()
         self.open = None
 
-    def _labels_of(self, query_ids: list) -> tuple[np.ndarray, list[str]]:
+    def _labels_of(self, query_ids: list, pairs: list | None = None) -> tuple[np.ndarray, list[str]]:
+        """The latest answers' labels of `query_ids` (nan: none); of a reorder of the check, the label of each pair's
+        subset of its clips (reorder_label)."""
         labels, annotators = np.full(len(query_ids), np.nan, dtype=np.float32), [""] * len(query_ids)
         for i, qid in enumerate(query_ids):
             if qid is not None and qid in self.answers:
-                labels[i], annotators[i] = answer_label(self.answers[qid], self.rating_scale), self.answers[qid]["annotator"]
+                answer, subset = self.answers[qid], self.check_subsets.get(pairs[i]) if pairs else None
+                label = answer_label(answer, self.rating_scale) if subset is None else reorder_label(answer, subset)
+                labels[i], annotators[i] = label, answer["annotator"]
         return labels, annotators
 
     EVALUATION_CLIP_STEPS = 300  # steps of an evaluation episode's start shown on the page (Hopper: 2.4 s)
 
-    def show_reward_check(self, states: np.ndarray, masks: np.ndarray, predicted_returns: np.ndarray, step: int) -> None:
+    def show_reward_check(self, states, masks, predicted_returns, step: int, segment_ids=None, subsets=()) -> None:
         """Clips with the reward model's predicted return, shown ranked on the page's reward view: a person can compare
         the model's ranking with their own (states (N, L, S), masks (N, L)). Rendered and uploaded by the page worker:
-        training goes on meanwhile."""
+        training goes on meanwhile. With `subsets` (the clips' positions each label of a reorder orders, one key
+        (-step, i) each) the clips also go up as a query a person may reorder from that view (segment ids (N,))."""
         names = [f"run{self.run_id}_check_{step}_{i}.mp4" for i in range(len(states))]
-        self.page_jobs.put(([*zip(names, states, masks, map(float, predicted_returns), strict=True)], step, "check"))
+        reorder = None
+        if subsets:
+            self.check_subsets |= {(-step, i): tuple(positions) for i, positions in enumerate(subsets)}
+            reorder = {"segment_ids": [int(segment) for segment in segment_ids], "pairs": len(subsets)}
+        clips = [*zip(names, states, masks, map(float, predicted_returns), strict=True)]
+        self.page_jobs.put((clips, step, "check", reorder))
 
     def show_evaluation(self, states: np.ndarray, step: int, mean_return: float) -> None:
         """The start of an evaluation episode beside the pairs: what the agent does now (the page worker renders it)."""
         states = states[: self.EVALUATION_CLIP_STEPS]
-        self.page_jobs.put(([(f"run{self.run_id}_eval_{step}.mp4", states, np.ones(len(states), bool), mean_return)], step, "agent"))
+        self.page_jobs.put(([(f"run{self.run_id}_eval_{step}.mp4", states, np.ones(len(states), bool), mean_return)], step, "agent", None))
 
     def show_agreement(self, pairs: list[tuple[int, int]], agree: np.ndarray) -> None:
         """Each person's share of labels the reward model agrees with, on the page's run panel (the next progress news)."""
@@ -764,11 +794,15 @@ class HumanTeacher(Teacher):
         """The page worker: renders and uploads each job in order, while the training loop runs on (a job the server
         refuses or an unreachable server costs the page a clip, never the run)."""
         while (job := self.page_jobs.get()) is not None:
-            clips, step, kind = job
+            clips, step, kind, reorder = job
             try:
                 paths = {name: self.render_clip(name, states, mask) for name, states, mask, _ in clips}
                 entries = [{"clip": name, "predicted_return": value, "step": step, "kind": kind} for name, _, _, value in clips]
                 self.client.upload_evaluations(self.run_id, entries, paths)
+                if reorder:  # the same clips as a query to reorder; its labels are read as the pairs' (check_subsets)
+                    query = {"clips": list(paths), "segment_ids": reorder["segment_ids"], "session": f"check-{step}", "check_step": step}
+                    (query_id,) = self.client.upload_queries(self.run_id, [query], paths)
+                    self.pair_query |= {(-step, i): query_id for i in range(reorder["pairs"])}
             except Exception as error:  # noqa: BLE001 (the page's news: training goes on whatever happened to it)
                 what = "an evaluation clip" if kind == "agent" else "a reward-check clip"
                 print(f"feedback server: {what} of step {step} did not reach the page ({error})", flush=True)
@@ -781,6 +815,7 @@ class HumanTeacher(Teacher):
         opened = None if self.open is None else {"session": self.open["session"], "query_ids": list(self.open["query_ids"])}
         pairs = [[session, index, qid] for (session, index), qid in self.pair_query.items()]
         state = {"cursor": self.cursor, "open": opened, "answers": copy.deepcopy(self.answers), "pairs": pairs}
+        state["check_subsets"] = [[session, index, list(positions)] for (session, index), positions in self.check_subsets.items()]
         return state | {"step": int(self.step), "sessions_done": int(self.sessions_done)}  # a resumed run's first news
 
     def load_state_dict(self, state: dict) -> None:
@@ -788,6 +823,7 @@ class HumanTeacher(Teacher):
         self.step, self.sessions_done = state.get("step", 0), state.get("sessions_done", 0)
         self.answers = copy.deepcopy(state.get("answers", {}))
         self.pair_query = {(session, index): qid for session, index, qid in state.get("pairs", [])}
+        self.check_subsets = {(session, index): tuple(positions) for session, index, positions in state.get("check_subsets", [])}
 
     def stop_learning(self) -> bool:
         """The last news before the last read of answers: the run has ended (an answer given now is not learned from),
@@ -1510,4 +1546,13 @@ def show_reward_model(teacher: Teacher, session: FeedbackSession, prefs, rb, pre
     idx, mask = rb.sample_segment_pairs(args.feedback_check_clips, args.segment_length, rng)
     idx, mask = idx[:, 0], mask[:, 0]
     mean, _ = predict(rb.obs_actions(idx))
-    teacher.show_reward_check(rb.physics_states[idx], mask, (mean * mask).sum(-1), step)
+    subsets = []
+    if reorderable(args) and not any(key[0] == -step for key in session.unlabelled):
+        # a person's reorder of these clips is learned as every set of --clips-per-query of them in the order the person
+        # gave it (as InstructGPT learns a ranking of K answers as its K (K - 1) / 2 comparisons): each such set waits,
+        # unlabelled, until a reorder answers it (FeedbackSession.reconcile)
+        subsets = list(itertools.combinations(range(len(idx)), args.clips_per_query))
+        segments = rb.gather_segments(idx, mask)
+        for i, positions in enumerate(subsets):
+            session.unlabelled[(-step, i)] = {name: segments[name][list(positions)] for name in LabelLog.ARRAYS}
+    teacher.show_reward_check(rb.physics_states[idx], mask, (mean * mask).sum(-1), step, idx[:, 0], subsets)

@@ -265,6 +265,22 @@ async function undoLast() {
 
 // ------------------------------------------------------------------ views, name, wiring
 
+// The reward view's newest check, reordered: its clips as a query on the compare view, answered with the component of
+// its kind (a ranking, or a pair of two clips); the query that was on screen comes next again.
+function reorderCheck() {
+  const q = state.reorder;
+  if (!q) return;
+  q.fetchedAt = Date.now();
+  if (state.current && state.current.query_id !== q.query_id) {
+    state.current.fetchedAt = Date.now();
+    state.prefetched = state.current;
+    if (componentOf(state.current).noun === "pair") loadPair(hiddenPair(), state.current);
+  }
+  clearTimeout(state.pollTimer);
+  show(q);
+  location.hash = "";
+}
+
 function route() {
   const rewards = location.hash === "#rewards";
   $("#tab-rewards").classList.toggle("active", rewards);
@@ -336,6 +352,7 @@ for (const sel of ["#rank-submit", "#rate-submit"]) {
   $(sel).addEventListener("click", () => { if (state.current) answer(componentOf(state.current).submit()); });
 }
 $("#undo").addEventListener("click", undoLast);
+$("#reorder-check").addEventListener("click", reorderCheck);
 $("#speed").addEventListener("change", () => {
   localStorage.setItem(SPEED_KEY, $("#speed").value);
   applySpeed();

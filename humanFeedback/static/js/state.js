@@ -35,6 +35,7 @@ export const state = {
   training: null,     // the trainers' news from the last "waiting" answer
   runState: null,     // GET /api/runs/<id>/progress of the run shown in the run panel
   latestEvaluation: null,   // id of the evaluation clip in the run panel
+  reorder: null,            // the reward view's newest check as a query to reorder (GET .../evaluations), or null
   otherTabs: new Map(),     // id of another tab of this page in this browser -> when it last said so
 };
 

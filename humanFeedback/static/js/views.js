@@ -96,7 +96,9 @@ export function renderOtherTabs() {
 
 export function renderInstructions(q) {
   const el = $("#instructions");
-  el.replaceChildren(q.instructions || "Which clip is better?");
+  const check = q.check_step === undefined ? ""
+    : `The reward model's check clips of step ${q.check_step.toLocaleString("en")}: put them in your order, best first; it is learned as labels. `;
+  el.replaceChildren(check + (q.instructions || "Which clip is better?"));
   const info = [];
   if (state.run === "" && q.run_name) info.push(`run ${q.run_name}`);
   if (q.clip_seconds) info.push(`each clip ${q.clip_seconds.toFixed(2)} s of the agent's time at ${speed()}× speed, looped`);
@@ -180,7 +182,10 @@ export async function renderEvaluations(runId) {
   const list = $("#rewards-list");
   list.replaceChildren();
   if (!runId) { $("#rewards-empty").classList.remove("hidden"); return; }
-  const { evaluations } = await getEvaluations(runId);
+  const { evaluations, reorder } = await getEvaluations(runId);
+  state.reorder = reorder || null;   // the newest check's clips as a query to reorder (main.js shows it), or none
+  $("#reorder-check").classList.toggle("hidden", !reorder);
+  if (reorder) $("#reorder-check").textContent = `Put the ${reorder.clip_urls.length} clips of step ${reorder.check_step.toLocaleString("en")} in your order`;
   $("#rewards-empty").textContent = "No evaluation clips uploaded for this run yet.";
   $("#rewards-empty").classList.toggle("hidden", evaluations.length > 0);
   evaluations.forEach((ev, i) => {
