@@ -292,9 +292,11 @@ def test_feedback_async_puts_the_next_pairs_up_before_the_reward_update(chdir_tm
     finally:
         labeller.stop.set()
     labeller.join(timeout=10)
-    assert len(updates) == 2 and sorted(labeller.given) == list(range(1, 11)) and labeller.posts == 10
+    shown = [json.loads(line) for line in Path("runs/s/shown_pairs.jsonl").read_text().splitlines()]
+    pairs = {(pair["session"], pair["pair"]): pair["query_id"] for pair in shown}  # the check's clips go up as queries too
+    assert len(updates) == 2 and sorted(labeller.given) == sorted(pairs.values()) and len(pairs) == labeller.posts == 10
     first_update_ends = updates[0][1]
-    assert labeller.received_at[6] < first_update_ends, "session 2's first pair came only after session 1's update"
+    assert labeller.received_at[pairs[2, 0]] < first_update_ends, "session 2's first pair came only after session 1's update"
     expected = [CHOICE_LABELS[labeller.given[q]] for q in sorted(labeller.given) if labeller.given[q] != "skip"]
     prefs = final_state("s")["checkpoint"]["preference_buffer"]
     np.testing.assert_array_equal(prefs["labels"], np.array(expected, dtype=np.float32))

@@ -6,6 +6,7 @@ most the cap of pairs whatever names it gives and however it labels and undoes, 
 from __future__ import annotations
 
 import json
+import sqlite3
 
 import pytest
 from test_feedback_hardening import Server, assert_json_error, fake_mp4
@@ -181,10 +182,11 @@ def test_one_session_holds_at_most_the_cap_whatever_names_it_gives_or_however_it
         assert undo(held[0], release=[more[0]]).status_code == 200  # the undone pair takes the place of one it gives up
         undone = undo(held[1])
         assert undone.status_code == 429
-        status = s.rows()["queries"]
+        with sqlite3.connect(s.data_dir / "feedback.sqlite3") as con:
+            leases = con.execute("SELECT id, lease_holder FROM queries").fetchall()
         holders = {}
-        for row in status:
-            holders.setdefault(row[-1], []).append(row[0])
+        for query_id, holder in leases:
+            holders.setdefault(holder, []).append(query_id)
         assert max(len(v) for k, v in holders.items() if k is not None) <= cap, holders
         # another name of the same browser is the same person: it undoes and edits its own answers
         edited = label(held[2], "another name", "right")

@@ -84,6 +84,7 @@ def test_human_run_sends_its_question_renders_clips_at_real_time_and_page_size_a
         **vars(FeedbackArgs(feedback_server_url=url, feedback_server_autostart=True, feedback_instructions=" Which one hops further? ")),
         env_id="Hopper-v5",
         seed=3,
+        rating_scale=0,
         segment_length=50,
         total_timesteps=20_000,
         teacher_feedback_frequency=5_000,
