@@ -794,7 +794,7 @@ def summary_table(spec: dict, results: dict[str, dict]) -> list[str]:
     return lines
 
 
-NEWER_COLUMNS = {"flipped", "flipped_wrong", "trusted_wrong", "clips", "person_minutes"}
+NEWER_COLUMNS = {"flipped", "flipped_wrong", "trusted_wrong", "clips", "rating_scale", "person_minutes"}
 """MEASUREMENT_COLUMNS that files written before them lack: shown only where some row has them."""
 
 
