@@ -545,6 +545,7 @@ MEASUREMENT_COLUMNS = {
     "simulated_person": [
         "mode",
         "clips",
+        "rating_scale",
         "seed",
         "labels",
         "person_minutes",
