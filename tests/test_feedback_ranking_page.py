@@ -37,23 +37,24 @@ def upload_ranking(base: str, tmp, run_id: int, session, clips: int) -> int:
     return resp.json()["query_ids"][0]
 
 
-def latest_answers(base: str, run_id: int) -> dict[int, tuple]:
-    """What a trainer keeps reading the answers: query id -> (choice, ranking) of the latest write, undone ones dropped."""
+def latest_answers(base: str, run_id: int, field: str = "ranking") -> dict[int, tuple]:
+    """What a trainer keeps reading the answers: query id -> (choice, its `field`: ranking or ratings) of the latest
+    write, undone ones dropped."""
     latest = {}
     for a in requests.get(f"{base}/api/runs/{run_id}/answers", params={"after": 0}, headers=HEADERS, timeout=5).json()["answers"]:
         if a["choice"] == "undone":
             latest.pop(a["query_id"], None)
         else:
-            latest[a["query_id"]] = (a["choice"], a["ranking"])
+            latest[a["query_id"]] = (a["choice"], a[field])
     return latest
 
 
-def wait_for(page, base: str, run_id: int, expected: dict) -> None:
+def wait_for(page, base: str, run_id: int, expected: dict, field: str = "ranking") -> None:
     deadline = 100
-    while latest_answers(base, run_id) != expected and deadline:
+    while latest_answers(base, run_id, field) != expected and deadline:
         page.wait_for_timeout(100)
         deadline -= 1
-    assert latest_answers(base, run_id) == expected
+    assert latest_answers(base, run_id, field) == expected
 
 
 def order_shown(page) -> list[str]:

@@ -187,66 +187,80 @@ def test_pairs_and_rankings_in_one_batch_are_stored_as_sent(env):
 ORDERS = [list(order) for order in itertools.permutations(range(3))]
 
 
-class RankingPerson(threading.Thread):
-    """Ranks every query of session 1 over HTTP; before answering session 2, changes its mind on session 1's first two
-    (an edit, and an undo answered again differently), as a person at the page would."""
+class HttpPerson(threading.Thread):
+    """A person answering a human-mode run over HTTP with the run's token, until stopped: each query /api/next hands
+    out goes to `answer`, and `look` runs after every ask (to look at the check view, say). What fails is kept in
+    `failure` for the test to report."""
 
-    def __init__(self, base: str):
+    def __init__(self, base: str, annotator: str):
         super().__init__(daemon=True)
-        self.base, self.http, self.stop, self.failure = base, requests.Session(), threading.Event(), None
-        self.given: dict[int, list[int]] = {}  # query id -> the order on the server now
-        self.corrected = False
+        self.base, self.annotator = base, annotator
+        self.http, self.stop, self.failure = requests.Session(), threading.Event(), None
 
-    def post(self, path: str, body: dict, expected: tuple[int, ...]) -> dict:
-        reply = self.http.post(self.base + path, json=body | {"annotator": "ranker"}, timeout=5)
+    def post(self, path: str, body: dict, expected: tuple[int, ...] = (200, 201)) -> dict:
+        reply = self.http.post(self.base + path, json=body | {"annotator": self.annotator}, timeout=5)
         assert reply.status_code in expected, reply.text
         return reply.json()
 
-    def rank(self, query_id: int, order: list[int]) -> None:
-        self.post(f"/api/queries/{query_id}/label", {"ranking": order}, (200, 201))
-        self.given[query_id] = order
+    def answer(self, query: dict) -> None:
+        raise NotImplementedError
+
+    def look(self) -> None:
+        """After every ask, answered or not."""
 
     def run(self):
         try:
             while not self.stop.is_set():
                 try:
                     if "X-Feedback-Token" not in self.http.headers:
-                        if run_token() is None:
+                        if run_token() is None:  # the trainer has not made its token yet
                             raise requests.ConnectionError
                         self.http.headers["X-Feedback-Token"] = run_token()
-                    query = self.http.get(f"{self.base}/api/next", params={"annotator": "ranker"}, timeout=5).json()
-                except requests.ConnectionError:
-                    time.sleep(0.1)
-                    continue
-                if query.get("waiting"):
-                    time.sleep(0.1)
-                    continue
-                assert query["kind"] == "ranking" and len(query["clip_urls"]) == 3
-                if query["session"] == 2 and not self.corrected:
-                    first, second = sorted(self.given)[:2]
-                    self.rank(first, ORDERS[(ORDERS.index(self.given[first]) + 1) % 6])  # edited
-                    self.post(f"/api/queries/{second}/undo", {}, (200,))
-                    self.given.pop(second)
-                    self.rank(second, ORDERS[5])  # undone, then answered anew
-                    self.corrected = True
-                self.rank(query["query_id"], ORDERS[query["query_id"] % 6])
+                    query = self.http.get(f"{self.base}/api/next", params={"annotator": self.annotator}, timeout=5).json()
+                    if not query.get("waiting"):
+                        self.answer(query)
+                    self.look()
+                except requests.ConnectionError:  # the trainer has not started the server yet
+                    pass
+                time.sleep(0.05)
         except BaseException as error:  # noqa: BLE001 (reported by the test)
             self.failure = error
 
 
-def test_human_mode_ranks_three_clips_over_http_and_learns_the_latest_rankings(chdir_tmp):
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    person = RankingPerson(base)
-    person.start()
-    args = small_args(
-        "ranked",
+class RankingPerson(HttpPerson):
+    """Ranks every query of session 1 over HTTP; before answering session 2, changes its mind on session 1's first two
+    (an edit, and an undo answered again differently), as a person at the page would."""
+
+    def __init__(self, base: str):
+        super().__init__(base, "ranker")
+        self.given: dict[int, list[int]] = {}  # query id -> the order on the server now
+        self.corrected = False
+
+    def rank(self, query_id: int, order: list[int]) -> None:
+        self.post(f"/api/queries/{query_id}/label", {"ranking": order})
+        self.given[query_id] = order
+
+    def answer(self, query: dict) -> None:
+        assert query["kind"] == "ranking" and len(query["clip_urls"]) == 3
+        if query["session"] == 2 and not self.corrected:
+            first, second = sorted(self.given)[:2]
+            self.rank(first, ORDERS[(ORDERS.index(self.given[first]) + 1) % 6])  # edited
+            self.post(f"/api/queries/{second}/undo", {}, (200,))
+            self.given.pop(second)
+            self.rank(second, ORDERS[5])  # undone, then answered anew
+            self.corrected = True
+        self.rank(query["query_id"], ORDERS[query["query_id"] % 6])
+
+
+def small_human_args(run_name: str, base: str, **overrides) -> sac_rlhf.Args:
+    """A short human-mode PEBBLE run on a server it starts at `base`: sessions of 3 queries at 200 and 400 steps, 10-step
+    segments, small clips, no reward-check clips (unless overridden)."""
+    settings = dict(
         total_timesteps=500,
         learning_starts=200,
         total_explore_steps=200,
         teacher_feedback_frequency=200,
         teacher_feedback_mode="human",
-        clips_per_query=3,
         feedback_server_url=base,
         feedback_server_autostart=True,
         feedback_check_clips=0,
@@ -258,6 +272,15 @@ def test_human_mode_ranks_three_clips_over_http_and_learns_the_latest_rankings(c
         clip_width=64,
         clip_height=48,
     )
+    return small_args(run_name, **settings | overrides)
+
+
+def test_human_mode_ranks_three_clips_over_http_and_learns_the_latest_rankings(chdir_tmp):
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    person = RankingPerson(base)
+    person.start()
+    args = small_human_args("ranked", base, clips_per_query=3)
     try:
         summary = sac_rlhf.main(args)
     finally:

@@ -9,7 +9,11 @@ import json
 
 import pytest
 from test_feedback_page import HEADERS, free_port, log_in, make_run, start_server, upload_pairs, write_h264
-from test_feedback_ranking_page import browser  # noqa: F401 (the module's Chromium)
+from test_feedback_ranking_page import (
+    browser,  # noqa: F401 (the module's Chromium)
+    latest_answers,
+    wait_for,
+)
 
 requests = pytest.importorskip("requests")
 sync_api = pytest.importorskip("playwright.sync_api")
@@ -24,25 +28,6 @@ def upload_rating(base: str, tmp, run_id: int, session, clips: int, scale: int) 
     )
     assert resp.status_code == 201, resp.text
     return resp.json()["query_ids"][0]
-
-
-def latest_answers(base: str, run_id: int) -> dict[int, tuple]:
-    """What a trainer keeps reading the answers: query id -> (choice, ratings) of the latest write, undone ones dropped."""
-    latest = {}
-    for a in requests.get(f"{base}/api/runs/{run_id}/answers", params={"after": 0}, headers=HEADERS, timeout=5).json()["answers"]:
-        if a["choice"] == "undone":
-            latest.pop(a["query_id"], None)
-        else:
-            latest[a["query_id"]] = (a["choice"], a["ratings"])
-    return latest
-
-
-def wait_for(page, base: str, run_id: int, expected: dict) -> None:
-    deadline = 100
-    while latest_answers(base, run_id) != expected and deadline:
-        page.wait_for_timeout(100)
-        deadline -= 1
-    assert latest_answers(base, run_id) == expected
 
 
 def chosen(page) -> list[str]:
@@ -82,12 +67,12 @@ def test_a_person_rates_two_clips_with_keys_and_clicks_undoes_and_rates_again_th
         page.keyboard.press("2")
         assert chosen(page) == ["4", "2"] and page.is_enabled("#rate-submit")
         page.keyboard.press("Backspace")  # takes back the last rating, not the last answer
-        assert chosen(page) == ["4", ""] and latest_answers(base, run_id) == {}
+        assert chosen(page) == ["4", ""] and latest_answers(base, run_id, "ratings") == {}
         page.click("#rate-clips figure[data-clip='1'] button.point[data-rating='5']")
         page.click("#rate-clips figure[data-clip='0'] button.point[data-rating='1']")  # a click changes a rating
         assert chosen(page) == ["1", "5"]
         page.keyboard.press("Enter")
-        wait_for(page, base, run_id, {rated: ("rated", [1, 5])})
+        wait_for(page, base, run_id, {rated: ("rated", [1, 5])}, "ratings")
 
         # the pair comes next; Backspace there undoes the last answer, the ratings, which come back to be given again
         page.wait_for_function("q => document.querySelector('#pairs').dataset.queryId === q", arg=str(pair), timeout=20_000)
@@ -96,14 +81,14 @@ def test_a_person_rates_two_clips_with_keys_and_clicks_undoes_and_rates_again_th
         page.wait_for_selector("#rating", state="visible", timeout=20_000)
         assert page.get_attribute("#rating", "data-query-id") == str(rated) and chosen(page) == ["", ""]
         assert "Your earlier answer was the ratings Clip 1: 1, Clip 2: 5" in page.inner_text("#notice")
-        wait_for(page, base, run_id, {})
+        wait_for(page, base, run_id, {}, "ratings")
 
         page.keyboard.press("3")
         page.keyboard.press("3")
         page.click("#rate-submit")
         page.wait_for_function("q => document.querySelector('#pairs').dataset.queryId === q", arg=str(pair), timeout=20_000)
         page.keyboard.press("ArrowRight")
-        wait_for(page, base, run_id, {rated: ("rated", [3, 3]), pair: ("right", None)})
+        wait_for(page, base, run_id, {rated: ("rated", [3, 3]), pair: ("right", None)}, "ratings")
         page.wait_for_selector("#waiting", state="visible", timeout=20_000)
         assert errors == []
     finally:

@@ -8,17 +8,14 @@ from __future__ import annotations
 
 import json
 import sqlite3
-import threading
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from test_end_to_end import small_args
-from test_feedback_rankings import rank, upload_rankings
+from test_feedback_rankings import HttpPerson, rank, small_human_args, upload_rankings
 from test_feedback_server import Env, assert_error, fake_mp4, upload, write_old_data_dir
-from test_human_feedback import free_port, run_token
+from test_human_feedback import free_port
 from test_labels_toolbox import labels_tool
 
 import sac_rlhf
@@ -157,52 +154,30 @@ def test_a_data_dir_from_before_ratings_takes_ratings_and_keeps_its_answers(tmp_
 # ----------------------------------------------------------------------------- a human-mode run of ratings
 
 
-class RatingPerson(threading.Thread):
+class RatingPerson(HttpPerson):
     """Rates every query over HTTP on a scale of 4; before answering session 2, changes its mind on session 1's first
     two (an edit, and an undo answered again differently), as a person at the page would."""
 
     def __init__(self, base: str):
-        super().__init__(daemon=True)
-        self.base, self.http, self.stop, self.failure = base, requests.Session(), threading.Event(), None
+        super().__init__(base, "rater")
         self.given: dict[int, list[int]] = {}  # query id -> the ratings on the server now
         self.corrected = False
 
-    def post(self, path: str, body: dict, expected: tuple[int, ...]) -> dict:
-        reply = self.http.post(self.base + path, json=body | {"annotator": "rater"}, timeout=5)
-        assert reply.status_code in expected, reply.text
-        return reply.json()
-
     def rate(self, query_id: int, ratings: list[int]) -> None:
-        self.post(f"/api/queries/{query_id}/label", {"ratings": ratings}, (200, 201))
+        self.post(f"/api/queries/{query_id}/label", {"ratings": ratings})
         self.given[query_id] = ratings
 
-    def run(self):
-        try:
-            while not self.stop.is_set():
-                try:
-                    if "X-Feedback-Token" not in self.http.headers:
-                        if run_token() is None:
-                            raise requests.ConnectionError
-                        self.http.headers["X-Feedback-Token"] = run_token()
-                    query = self.http.get(f"{self.base}/api/next", params={"annotator": "rater"}, timeout=5).json()
-                except requests.ConnectionError:
-                    time.sleep(0.1)
-                    continue
-                if query.get("waiting"):
-                    time.sleep(0.1)
-                    continue
-                assert (query["kind"], query["rating_scale"], len(query["clip_urls"])) == ("rating", 4, 2)
-                if query["session"] == 2 and not self.corrected:
-                    first, second = sorted(self.given)[:2]
-                    self.rate(first, [5 - r for r in self.given[first]])  # edited
-                    self.post(f"/api/queries/{second}/undo", {}, (200,))
-                    self.given.pop(second)
-                    self.rate(second, [4, 4])  # undone, then answered anew
-                    self.corrected = True
-                qid = query["query_id"]
-                self.rate(qid, [1 + qid % 4, 1 + (qid // 4) % 4])
-        except BaseException as error:  # noqa: BLE001 (reported by the test)
-            self.failure = error
+    def answer(self, query: dict) -> None:
+        assert (query["kind"], query["rating_scale"], len(query["clip_urls"])) == ("rating", 4, 2)
+        if query["session"] == 2 and not self.corrected:
+            first, second = sorted(self.given)[:2]
+            self.rate(first, [5 - r for r in self.given[first]])  # edited
+            self.post(f"/api/queries/{second}/undo", {}, (200,))
+            self.given.pop(second)
+            self.rate(second, [4, 4])  # undone, then answered anew
+            self.corrected = True
+        qid = query["query_id"]
+        self.rate(qid, [1 + qid % 4, 1 + (qid // 4) % 4])
 
 
 def test_human_mode_rates_clips_over_http_and_learns_the_latest_ratings(chdir_tmp):
@@ -210,25 +185,7 @@ def test_human_mode_rates_clips_over_http_and_learns_the_latest_ratings(chdir_tm
     base = f"http://127.0.0.1:{port}"
     person = RatingPerson(base)
     person.start()
-    args = small_args(
-        "rated",
-        total_timesteps=500,
-        learning_starts=200,
-        total_explore_steps=200,
-        teacher_feedback_frequency=200,
-        teacher_feedback_mode="human",
-        rating_scale=4,
-        feedback_server_url=base,
-        feedback_server_autostart=True,
-        feedback_check_clips=0,
-        teacher_feedback_total_queries=6,
-        teacher_feedback_num_queries_per_session=3,
-        segment_length=10,
-        max_augmentation_offset=3,
-        min_augmentation_offset=1,
-        clip_width=64,
-        clip_height=48,
-    )
+    args = small_human_args("rated", base, rating_scale=4)
     try:
         summary = sac_rlhf.main(args)
     finally:

@@ -9,15 +9,13 @@ from __future__ import annotations
 import itertools
 import json
 import sqlite3
-import threading
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from test_end_to_end import small_args
+from test_feedback_rankings import HttpPerson, small_human_args
 from test_feedback_server import Env, assert_error, fake_mp4, upload
-from test_human_feedback import free_port, run_token
+from test_human_feedback import free_port
 from test_labels_toolbox import labels_tool
 
 import sac_rlhf
@@ -96,52 +94,33 @@ def test_a_reorder_gives_each_set_of_clips_the_order_the_person_gave_it():
 # ----------------------------------------------------------------------------- a human-mode run with reorders
 
 
-class ReorderingPerson(threading.Thread):
+class ReorderingPerson(HttpPerson):
     """Answers every pair 'left' and reverses the model's order of every new check (best first: the clip the model
     rates lowest first); once three checks are reordered, undoes the first reorder and gives the second another order."""
 
     def __init__(self, base: str):
-        super().__init__(daemon=True)
-        self.base, self.http, self.stop, self.failure = base, requests.Session(), threading.Event(), None
+        super().__init__(base, "orderer")
         self.reordered: dict[int, list[int]] = {}  # check query id -> the order on the server now
         self.steps: dict[int, int] = {}  # check query id -> its check step
         self.corrected = False
 
-    def post(self, path: str, body: dict) -> dict:
-        reply = self.http.post(self.base + path, json=body | {"annotator": "orderer"}, timeout=5)
-        assert reply.status_code in (200, 201), reply.text
-        return reply.json()
+    def answer(self, query: dict) -> None:
+        self.post(f"/api/queries/{query['query_id']}/label", {"choice": "left"})
 
-    def run(self):
-        try:
-            while not self.stop.is_set():
-                try:
-                    if "X-Feedback-Token" not in self.http.headers:
-                        if run_token() is None:
-                            raise requests.ConnectionError
-                        self.http.headers["X-Feedback-Token"] = run_token()
-                    query = self.http.get(f"{self.base}/api/next", params={"annotator": "orderer"}, timeout=5).json()
-                    if not query.get("waiting"):
-                        self.post(f"/api/queries/{query['query_id']}/label", {"choice": "left"})
-                    checks = self.http.get(f"{self.base}/api/runs/1/evaluations", timeout=5)
-                    offered = checks.json()["reorder"] if checks.status_code == 200 else None  # 404 until the run exists
-                except requests.ConnectionError:
-                    time.sleep(0.1)
-                    continue
-                if offered and offered["query_id"] not in self.reordered and offered["query_id"] not in self.steps:
-                    order = list(range(len(offered["clip_urls"])))[::-1]
-                    self.post(f"/api/queries/{offered['query_id']}/label", {"ranking": order})
-                    self.reordered[offered["query_id"]], self.steps[offered["query_id"]] = order, offered["check_step"]
-                if len(self.steps) >= 3 and not self.corrected:
-                    first, second = sorted(self.steps)[:2]
-                    self.post(f"/api/queries/{first}/undo", {})
-                    del self.reordered[first]
-                    self.reordered[second] = [1, 0, 2]
-                    self.post(f"/api/queries/{second}/label", {"ranking": [1, 0, 2]})
-                    self.corrected = True
-                time.sleep(0.05)
-        except BaseException as error:  # noqa: BLE001 (reported by the test)
-            self.failure = error
+    def look(self) -> None:
+        checks = self.http.get(f"{self.base}/api/runs/1/evaluations", timeout=5)
+        offered = checks.json()["reorder"] if checks.status_code == 200 else None  # 404 until the run exists
+        if offered and offered["query_id"] not in self.steps:
+            order = list(range(len(offered["clip_urls"])))[::-1]
+            self.post(f"/api/queries/{offered['query_id']}/label", {"ranking": order})
+            self.reordered[offered["query_id"]], self.steps[offered["query_id"]] = order, offered["check_step"]
+        if len(self.steps) >= 3 and not self.corrected:
+            first, second = sorted(self.steps)[:2]
+            self.post(f"/api/queries/{first}/undo", {})
+            del self.reordered[first]
+            self.reordered[second] = [1, 0, 2]
+            self.post(f"/api/queries/{second}/label", {"ranking": [1, 0, 2]})
+            self.corrected = True
 
 
 def test_human_mode_learns_a_persons_reorders_of_the_check_as_the_pairs_they_decide(chdir_tmp):
@@ -149,24 +128,10 @@ def test_human_mode_learns_a_persons_reorders_of_the_check_as_the_pairs_they_dec
     base = f"http://127.0.0.1:{port}"
     person = ReorderingPerson(base)
     person.start()
-    args = small_args(
-        "reordered",
-        total_timesteps=1000,
-        learning_starts=200,
-        total_explore_steps=200,
-        teacher_feedback_frequency=200,
-        teacher_feedback_mode="human",
-        feedback_server_url=base,
-        feedback_server_autostart=True,
-        feedback_check_clips=3,
-        teacher_feedback_total_queries=8,
+    args = small_human_args(
+        "reordered", base, total_timesteps=1000, feedback_check_clips=3, teacher_feedback_total_queries=8,
         teacher_feedback_num_queries_per_session=2,
-        segment_length=10,
-        max_augmentation_offset=3,
-        min_augmentation_offset=1,
-        clip_width=64,
-        clip_height=48,
-    )
+    )  # fmt: skip
     try:
         summary = sac_rlhf.main(args)
     finally:

@@ -9,7 +9,10 @@ import json
 
 import pytest
 from test_feedback_page import HEADERS, free_port, log_in, make_run, start_server, upload_pairs, write_h264
-from test_feedback_ranking_page import browser  # noqa: F401 (the module's Chromium)
+from test_feedback_ranking_page import (
+    browser,  # noqa: F401 (the module's Chromium)
+    wait_for,
+)
 
 requests = pytest.importorskip("requests")
 sync_api = pytest.importorskip("playwright.sync_api")
@@ -39,24 +42,6 @@ def upload_check(base: str, tmp, run_id: int, step: int, clips: int) -> int:
     )
     assert resp.status_code == 201, resp.text
     return resp.json()["query_ids"][0]
-
-
-def latest_answers(base: str, run_id: int) -> dict[int, tuple]:
-    latest = {}
-    for a in requests.get(f"{base}/api/runs/{run_id}/answers", params={"after": 0}, headers=HEADERS, timeout=5).json()["answers"]:
-        if a["choice"] == "undone":
-            latest.pop(a["query_id"], None)
-        else:
-            latest[a["query_id"]] = (a["choice"], a["ranking"])
-    return latest
-
-
-def wait_for(page, base: str, run_id: int, expected: dict) -> None:
-    deadline = 100
-    while latest_answers(base, run_id) != expected and deadline:
-        page.wait_for_timeout(100)
-        deadline -= 1
-    assert latest_answers(base, run_id) == expected
 
 
 def test_a_person_reorders_the_check_from_its_view_undoes_and_orders_it_again(tmp_path, browser):  # noqa: F811
