@@ -892,6 +892,7 @@ def reward_epoch(model: RewardEnsemble, optimizer, pairs: tuple, active, rb, arg
     all_segments, all_masks, all_labels = pairs
     ensemble, labelled, copies = model.ensemble_size, len(active), 1 + args.qpa_augmentations
     offsets = (args.min_augmentation_offset, args.max_augmentation_offset)
+    crop = not model.rating_scale  # a rating judges the whole clip: a crop's return lies elsewhere on its scale
     order = torch.argsort(torch.rand(ensemble, labelled * copies), dim=1)  # entries >= labelled are augmented copies
     losses, ssl_losses, pseudo = [], [], 0
     for start in range(0, labelled * copies, args.reward_net_batch_size):
@@ -899,7 +900,6 @@ def reward_epoch(model: RewardEnsemble, optimizer, pairs: tuple, active, rb, arg
         chosen = active[batch % labelled]
         segments, masks, labels = all_segments[chosen], all_masks[chosen], all_labels[chosen]
         cropped = batch >= labelled
-        crop = not model.rating_scale  # a rating judges the whole clip: a crop's return lies elsewhere on its scale
         if args.surf and crop:  # every copy cropped: cut the crops out, the steps outside them are not computed
             segments, masks = crop_segments(segments, masks, *offsets)
         elif cropped.any() and crop:  # only QPA's copies: mask them, their batch mixes with whole segments
