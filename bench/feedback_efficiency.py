@@ -120,6 +120,14 @@ VARIANTS = {
     "norm": ["--reward-net-normalize-inputs"],
     "norm-reset": ["--reward-net-normalize-inputs", "--reset-actor-after-exploration"],
     "norm-reset-std1": ["--reward-net-normalize-inputs", "--reset-actor-after-exploration", "--learned-reward-std", "1"],
+    # and the learned reward shifted to be >= 0, so that staying in an episode pays where a fall ends it (the Ant flipped)
+    "norm-reset-std1-nonneg": [
+        "--reward-net-normalize-inputs",
+        "--reset-actor-after-exploration",
+        "--learned-reward-std",
+        "1",
+        "--learned-reward-nonnegative",
+    ],
 }
 
 

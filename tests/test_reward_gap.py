@@ -355,17 +355,37 @@ def test_learned_reward_std_gives_sac_the_learned_reward_at_that_std_without_mov
     idx, cpu = np.arange(800), torch.device("cpu")
 
     args = sac_rlhf.Args(learned_reward_std=1.0)
-    scaled = sac_rlhf.learned_rewards(rb, idx, args, 0, cpu, sac_rlhf.sac_reward_scale(rb, args))
+    loop = sac_rlhf.LoopState(reward_scale=sac_rlhf.sac_reward_scale(rb, args))
+    scaled = sac_rlhf.learned_rewards(rb, idx, args, 0, cpu, loop)
     assert scaled.std(unbiased=False).item() == pytest.approx(1.0, rel=1e-5)
     assert torch.allclose(scaled / torch.as_tensor(rb.learned_rewards[:800]), scaled[0] / rb.learned_rewards[0])  # uncentred
 
     default = sac_rlhf.Args()
-    assert sac_rlhf.sac_reward_scale(rb, default) == 1.0
-    assert torch.equal(sac_rlhf.learned_rewards(rb, idx, default, 0, cpu, 1.0), torch.as_tensor(rb.learned_rewards[:800]))
+    assert sac_rlhf.sac_reward_scale(rb, default) == 1.0 and sac_rlhf.sac_reward_shift(rb, default) == 0.0
+    plain = sac_rlhf.learned_rewards(rb, idx, default, 0, cpu, sac_rlhf.LoopState())
+    assert torch.equal(plain, torch.as_tensor(rb.learned_rewards[:800]))
     rb.learned_rewards[:800] = 0.2  # a constant reward has no scale to set: left as it is
     assert sac_rlhf.sac_reward_scale(rb, args) == 1.0
     with pytest.raises(sac_rlhf.ConfigError, match="--learned-reward-std"):
         sac_rlhf.validate_args(sac_rlhf.Args(learned_reward_std=-1.0))
+
+
+def test_learned_reward_nonnegative_shifts_the_lowest_learned_reward_to_zero_before_the_scale():
+    """Where episodes end on a fall, a learned reward below zero everywhere makes falling at once the best return: the
+    shift makes every step worth at least nothing, the buffer's lowest exactly nothing, and keeps every difference."""
+    from cleanrlhf_utils.buffers import ReplayBuffer
+
+    rb = ReplayBuffer(1000, OBS_DIM, ACTION_DIM, 1)
+    rb.pos = 800
+    rb.learned_rewards[:800] = np.random.default_rng(0).normal(-0.6, 0.2, 800)
+    rb.learned_rewards[800:] = -50.0  # not filled: not counted
+    idx, cpu = np.arange(800), torch.device("cpu")
+    args = sac_rlhf.Args(learned_reward_nonnegative=True, learned_reward_std=1.0)
+    loop = sac_rlhf.LoopState(reward_scale=sac_rlhf.sac_reward_scale(rb, args), reward_shift=sac_rlhf.sac_reward_shift(rb, args))
+    shifted = sac_rlhf.learned_rewards(rb, idx, args, 0, cpu, loop)
+    assert shifted.min().item() == pytest.approx(0.0, abs=1e-6) and shifted.std(unbiased=False).item() == pytest.approx(1.0, rel=1e-5)
+    original = torch.as_tensor(rb.learned_rewards[:800])
+    assert torch.allclose(shifted - shifted[0], (original - original[0]) * loop.reward_scale, atol=1e-5)
 
 
 @pytest.mark.parametrize("reset_actor", [False, True])
