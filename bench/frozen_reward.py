@@ -50,7 +50,9 @@ def load_reward_model(path: str, env_id: str, input_dim: int) -> tuple[RewardEns
         f"--reward-model-from {path}: its reward model takes {saved_dim} inputs, this run's observation and action have {input_dim}",
     )
     net = ("reward_ensemble_size", "reward_net_hidden_dim", "reward_net_hidden_layers")
-    model = RewardEnsemble(input_dim, *(settings.get(name, getattr(PreferenceArgs, name)) for name in net))
+    model = RewardEnsemble(
+        input_dim, *(settings.get(name, getattr(PreferenceArgs, name)) for name in net), rating_scale=settings.get("rating_scale", 0)
+    )
     model.load_state_dict(saved["reward_model"])
     return model.eval(), settings
 

@@ -635,6 +635,13 @@ class RewardEnsemble(nn.Module):
             gaps = torch.full((ensemble_size, rating_scale - 2), math.log(math.e - 1))  # softplus of it is 1
             self.rating_cut_parameters = nn.Parameter(torch.cat([first, gaps], dim=-1))
 
+    @classmethod
+    def from_args(cls, input_dim: int, args) -> "RewardEnsemble":
+        """The reward model the settings describe: --reward-ensemble-size, --reward-net-hidden-dim and -layers, and
+        --rating-scale's cut points."""
+        sizes = (args.reward_ensemble_size, args.reward_net_hidden_dim, args.reward_net_hidden_layers)
+        return cls(input_dim, *sizes, rating_scale=args.rating_scale)
+
     def rating_cuts(self) -> torch.Tensor | None:
         """The ordered logit's cut points on the segment-return axis, increasing: (E, n - 1); None without ratings."""
         if not self.rating_scale:
@@ -1164,9 +1171,7 @@ def main(args: Args, on_evaluation=None, reward_training: Callable | None = None
         hidden = (args.actor_hidden_dim, args.actor_hidden_layers, args.critic_hidden_dim, args.critic_hidden_layers)
         agent = Agent(obs_dim, action_space, *hidden).to(device)
         optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5, fused=True)
-        reward_net = (args.reward_ensemble_size, args.reward_net_hidden_dim, args.reward_net_hidden_layers)
-        reward_model = RewardEnsemble(obs_dim + action_input_dim, *reward_net, rating_scale=args.rating_scale)
-        reward_model = reward_model.to(device)
+        reward_model = RewardEnsemble.from_args(obs_dim + action_input_dim, args).to(device)
         reward_optimizer = torch.optim.Adam(reward_model.parameters(), lr=args.reward_net_lr, fused=True)
         rb = ReplayBuffer(min(args.buffer_size, args.total_timesteps), obs_dim, action_input_dim, state_dim)
         prefs = PreferenceBuffer(args.segment_length, obs_dim + action_input_dim, state_dim, args.clips_per_query)

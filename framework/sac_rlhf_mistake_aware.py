@@ -55,10 +55,8 @@ def validate_mistake_args(args: Args) -> None:
     check_ranges(args, {"label_mistake_rate": "in [0, 0.5)"})
     clips = args.clips_per_query
     need(clips == 2, f"the mistake-aware loss flips a pair's label: --clips-per-query must be 2, got {clips}")
-    need(
-        args.rating_scale == 0,
-        f"the mistake-aware loss flips a pair's label: ratings are not learned here, got --rating-scale {args.rating_scale}",
-    )
+    scale = args.rating_scale
+    need(scale == 0, f"the mistake-aware loss flips a pair's label: it learns no ratings, got --rating-scale {scale}")
 
 
 def validate_args(args: Args) -> None:

@@ -73,9 +73,8 @@ def need_pairs(args: Args) -> None:
     """RIME flips a label it distrusts: the other of a pair's two."""
     clips = args.clips_per_query
     need(clips == 2, f"RIME splits and flips pairs' labels: --clips-per-query must be 2, got {clips}")
-    need(
-        args.rating_scale == 0, f"RIME splits and flips pairs' labels: ratings are not learned here, got --rating-scale {args.rating_scale}"
-    )
+    scale = args.rating_scale
+    need(scale == 0, f"RIME splits and flips pairs' labels: ratings are not learned here, got --rating-scale {scale}")
 
 
 def validate_args(args: Args) -> None:

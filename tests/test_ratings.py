@@ -211,7 +211,7 @@ def test_bad_rating_settings_are_refused_in_one_line(algo, overrides, message):
 def test_ratings_are_refused_where_only_pairs_are_learned():
     with pytest.raises(ConfigError, match="RIME splits and flips pairs' labels: ratings are not learned here, got --rating-scale 5"):
         sac_rlhf_rime.validate_args(sac_rlhf_rime.Args(rating_scale=5))
-    with pytest.raises(ConfigError, match="the mistake-aware loss flips a pair's label: ratings are not learned here"):
+    with pytest.raises(ConfigError, match="the mistake-aware loss flips a pair's label: it learns no ratings, got --rating-scale 3"):
         sac_rlhf_mistake_aware.validate_args(sac_rlhf_mistake_aware.Args(rating_scale=3))
 
 

@@ -89,56 +89,41 @@ def test_the_person_ranks_and_rates_by_the_objective_and_thinks_once_per_judgeme
     assert rater.rate((4.0, 6.0)) == [4, 5]  # the worse clip seen since stretched the scale: they rate higher
 
 
-def test_a_person_ranks_three_clips_on_the_page_and_the_run_learns_their_orders(tmp_path):
+def test_a_person_ranks_and_rates_clips_on_the_page_and_each_run_learns_the_answers_given(tmp_path):
+    """One invocation, two runs: rankings of three clips, then ratings of two on a scale of four."""
     from cleanrlhf_utils.rankings import order_labels
+    from cleanrlhf_utils.ratings import rating_labels
 
     command = [
         sys.executable, str(REPO / "bench" / "simulated_person.py"), "--seeds", "1", "--modes", "async",
         "--objective", "windmill-counterclockwise", "--steps", "700", "--explore-steps", "500", "--labels", "3",
-        "--clips-per-query", "3", "--pairs-per-session", "3", "--feedback-frequency", "300", "--evaluation-frequency", "700",
-        "--answer-delay", "0.1", "0.2", "--person-eps-mistake", "0", f"--preference-flags={SMALL_NETWORKS}",
-        "--workdir", str(tmp_path / "work"), "--output", str(tmp_path / "out.json"),
+        "--clips-per-query", "3", "2", "--rating-scales", "0", "4", "--pairs-per-session", "3", "--feedback-frequency", "300",
+        "--evaluation-frequency", "700", "--answer-delay", "0.1", "0.2", "--person-eps-mistake", "0",
+        f"--preference-flags={SMALL_NETWORKS}", "--workdir", str(tmp_path / "work"), "--output", str(tmp_path / "out.json"),
     ]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    row = json.loads((tmp_path / "out.json").read_text())["rows"][0]
-    assert row["clips"] == 3 and row["labels"] == row["labels_obtained"] == 3 and row["exactly_once"] and not row["page_errors"]
-    # the clips watched once, together, then one judgement per clip placed after the first (two delays of >= 0.1 s)
-    assert all(a["answered_s"] - a["shown_s"] >= a["clip_seconds"] + 0.2 for a in row["answers"])
-    assert row["person_minutes"] == pytest.approx(sum(a["answered_s"] - a["shown_s"] for a in row["answers"]) / 60)
-    assert row["person_agreement"] == 1.0
+    ranked, rated = json.loads((tmp_path / "out.json").read_text())["rows"]
+    for row, kind in ((ranked, (3, 0)), (rated, (2, 4))):
+        assert (row["clips"], row["rating_scale"]) == kind and row["labels"] == row["labels_obtained"] == 3 and row["exactly_once"]
+        assert not row["page_errors"] and row["person_agreement"] == 1.0
+        # the clips watched once, together, then a judgement per clip placed after the first (a ranking) or per clip
+        # rated: two delays of >= 0.1 s either way
+        assert all(a["answered_s"] - a["shown_s"] >= a["clip_seconds"] + 0.2 for a in row["answers"])
+    assert ranked["person_minutes"] == pytest.approx(sum(a["answered_s"] - a["shown_s"] for a in ranked["answers"]) / 60)
 
-    # each label the run keeps is the order the objective gives the three stored segments
-    run_dir = tmp_path / "work" / "runs" / row["run_name"]
+    # each ranking the run keeps is the order the objective gives the three stored segments
+    run_dir = tmp_path / "work" / "runs" / ranked["run_name"]
     segments, labels = read_label_file(run_dir / "labels.sqlite")
     returns = segment_rewards(load_objective("windmill-counterclockwise"), segments, obs_dim=3).sum(-1)
     assert segments["obs_actions"].shape[1] == 3 and all(len(set(query)) == 3 for query in returns.tolist())  # no ties
     np.testing.assert_array_equal(labels, order_labels(np.argsort(-returns, axis=1)).astype(np.float32))
     assert json.loads((run_dir / "args.json").read_text())["clips_per_query"] == 3
 
-
-def test_a_person_rates_clips_on_the_page_and_the_run_learns_their_ratings(tmp_path):
-    from cleanrlhf_utils.ratings import rating_labels
-
-    command = [
-        sys.executable, str(REPO / "bench" / "simulated_person.py"), "--seeds", "1", "--modes", "async",
-        "--objective", "windmill-counterclockwise", "--steps", "700", "--explore-steps", "500", "--labels", "3",
-        "--clips-per-query", "2", "--rating-scales", "4", "--pairs-per-session", "3", "--feedback-frequency", "300",
-        "--evaluation-frequency", "700", "--answer-delay", "0.1", "0.2", "--person-eps-mistake", "0",
-        f"--preference-flags={SMALL_NETWORKS}", "--workdir", str(tmp_path / "work"), "--output", str(tmp_path / "out.json"),
-    ]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    row = json.loads((tmp_path / "out.json").read_text())["rows"][0]
-    assert (row["clips"], row["rating_scale"]) == (2, 4) and row["labels"] == row["labels_obtained"] == 3 and row["exactly_once"]
-    assert not row["page_errors"]
-    # the clips watched once, together, then one judgement per clip (two delays of >= 0.1 s)
-    assert all(a["answered_s"] - a["shown_s"] >= a["clip_seconds"] + 0.2 for a in row["answers"])
-
-    # each label the run keeps is the ratings the person gave in the page, and they follow the objective's returns
-    run_dir = tmp_path / "work" / "runs" / row["run_name"]
+    # each rating the run keeps is what the person gave in the page, and follows the objective's returns
+    run_dir = tmp_path / "work" / "runs" / rated["run_name"]
     segments, labels = read_label_file(run_dir / "labels.sqlite")
-    given = {a["query_id"]: a["choice"] for a in row["answers"]}
+    given = {a["query_id"]: a["choice"] for a in rated["answers"]}
     with sqlite3.connect(run_dir / "labels.sqlite") as db:
         logged = dict(db.execute("SELECT query_id, label FROM labels"))
     assert logged == {query: float(rating_labels(np.array([ratings]) - 1, 4)[0]) for query, ratings in given.items()}

@@ -1547,7 +1547,7 @@ def show_reward_model(teacher: Teacher, session: FeedbackSession, prefs, rb, pre
     idx, mask = idx[:, 0], mask[:, 0]
     mean, _ = predict(rb.obs_actions(idx))
     subsets = []
-    if reorderable(args) and not any(key[0] == -step for key in session.unlabelled):
+    if reorderable(args) and not any(key[0] == -step for key in (*session.unlabelled, *session.rows)):  # once a step
         # a person's reorder of these clips is learned as every set of --clips-per-query of them in the order the person
         # gave it (as InstructGPT learns a ranking of K answers as its K (K - 1) / 2 comparisons): each such set waits,
         # unlabelled, until a reorder answers it (FeedbackSession.reconcile)
