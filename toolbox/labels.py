@@ -116,6 +116,13 @@ def read_store(path: Path) -> tuple[str, list[Label], int]:
         db.close()
 
 
+def columns_or_null(db: sqlite3.Connection, table: str, alias: str, names: tuple[str, ...]) -> str:
+    """The SELECT list of `names` in `table` (as `alias`.name), NULL for each one a database of an older version lacks
+    (before rankings, ratings or reorders of the check)."""
+    present = {row[1] for row in db.execute(f"PRAGMA table_info({table})")}
+    return ", ".join(f"{alias}.{name}" if name in present else "NULL" for name in names)
+
+
 def decided_pairs(label: float, clips: int, rating_scale: int) -> list[tuple[int, int, float]]:
     """The pairs of a query's clips (i, j) its label decides, with each one's label: a pair's own label; a ranking's
     or ratings' pairs (query_pair_labels)."""
@@ -142,10 +149,7 @@ def read_label_log(db: sqlite3.Connection, source: str) -> list[Label]:
 
 
 def read_server(db: sqlite3.Connection, source: str) -> tuple[list[Label], int]:
-    query_columns = [row[1] for row in db.execute("PRAGMA table_info(queries)")]
-    label_columns = [row[1] for row in db.execute("PRAGMA table_info(labels)")]
-    scale = "q.rating_scale" if "rating_scale" in query_columns else "NULL"  # a database from before rankings, ratings
-    answers = ", ".join(f"l.{name}" if name in label_columns else "NULL" for name in ("ranking", "ratings"))
+    scale, answers = columns_or_null(db, "queries", "q", ("rating_scale",)), columns_or_null(db, "labels", "l", ("ranking", "ratings"))
     rows = db.execute(
         "SELECT r.name, q.id, q.session, q.left_segment_id, q.right_segment_id, q.left_clip, q.right_clip, l.choice, l.annotator, "
         f"{scale}, {answers} FROM labels l JOIN queries q ON q.id = l.query_id JOIN runs r ON r.id = q.run_id ORDER BY l.id"
@@ -464,10 +468,8 @@ def check(run_folder: Path, server_data: Path | None = None) -> list[str]:
         run = db.execute("SELECT id FROM runs WHERE name = ?", (name,)).fetchone()
         if run is None:
             raise LabelsError(f"{server_path} holds no run named {name}")
-        query_columns = [row[1] for row in db.execute("PRAGMA table_info(queries)")]
-        label_columns = [row[1] for row in db.execute("PRAGMA table_info(labels)")]
-        extra = ", ".join(f"q.{name}" if name in query_columns else "NULL" for name in ("rating_scale", "check_step"))
-        answers = ", ".join(f"l.{name}" if name in label_columns else "NULL" for name in ("ranking", "ratings"))
+        extra = columns_or_null(db, "queries", "q", ("rating_scale", "check_step"))
+        answers = columns_or_null(db, "labels", "l", ("ranking", "ratings"))
         rows = db.execute(
             f"SELECT q.id, l.choice, {extra}, {answers}, (SELECT COUNT(*) FROM query_clips c WHERE c.query_id = q.id) "
             "FROM queries q LEFT JOIN labels l ON l.query_id = q.id WHERE q.run_id = ?",
