@@ -178,11 +178,17 @@ export async function loadRewards() {
   }
 }
 
+// Each render of the check view is numbered: the page routes to it on load and on every hash change, so two renders can
+// await the server at once, and only the newest may draw (both drawing showed every clip twice).
+let newestRender = 0;
+
 export async function renderEvaluations(runId) {
+  const render = ++newestRender;
   const list = $("#rewards-list");
   list.replaceChildren();
   if (!runId) { $("#rewards-empty").classList.remove("hidden"); return; }
   const { evaluations, reorder } = await getEvaluations(runId);
+  if (render !== newestRender) return;
   state.reorder = reorder || null;   // the newest check's clips as a query to reorder (main.js shows it), or none
   $("#reorder-check").classList.toggle("hidden", !reorder);
   if (reorder) $("#reorder-check").textContent = `Put the ${reorder.clip_urls.length} clips of step ${reorder.check_step.toLocaleString("en")} in your order`;
