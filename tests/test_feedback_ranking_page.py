@@ -83,6 +83,7 @@ def test_a_person_ranks_three_clips_with_keys_undoes_and_ranks_again_then_answer
             timeout=20_000,
         )
         assert page.locator("#rank-clips figcaption kbd").all_inner_texts() == ["1", "2", "3"]
+        assert page.inner_text("#progress") == "Ranking 1 of 1 in session 2 · 0 labelled in total"
 
         page.keyboard.press("3")
         page.keyboard.press("1")
@@ -99,6 +100,7 @@ def test_a_person_ranks_three_clips_with_keys_undoes_and_ranks_again_then_answer
         # the pair comes next; Backspace there (nothing placed) undoes the last answer, the ranking, which comes back
         page.wait_for_function("q => document.querySelector('#pairs').dataset.queryId === q", arg=str(pair), timeout=20_000)
         assert page.is_visible("#choices") and page.is_hidden("#ranking") and page.is_hidden("#rank-controls")
+        page.wait_for_function("() => document.querySelector('#progress').textContent.startsWith('Pair 1 of 1 in session 1')")
         page.keyboard.press("Backspace")
         page.wait_for_selector("#ranking", state="visible", timeout=20_000)
         assert page.get_attribute("#ranking", "data-query-id") == str(ranked) and page.is_hidden("#pairs")
@@ -116,6 +118,7 @@ def test_a_person_ranks_three_clips_with_keys_undoes_and_ranks_again_then_answer
         page.keyboard.press("ArrowLeft")  # and the pair with its own keys
         wait_for(page, base, run_id, {ranked: ("ranked", [2, 0, 1]), pair: ("left", None)})
         page.wait_for_selector("#waiting", state="visible", timeout=20_000)
+        assert page.inner_text("#progress").startswith("Session 1: 1 of 1 pairs answered")
         assert errors == []
     finally:
         context.close()

@@ -59,6 +59,7 @@ def test_a_person_rates_two_clips_with_keys_and_clicks_undoes_and_rates_again_th
             timeout=20_000,
         )
         assert page.locator("#rate-clips figure").first.locator("button.point").all_inner_texts() == ["1", "2", "3", "4", "5"]
+        assert page.inner_text("#progress") == "Rating 1 of 1 in session 2 · 0 labelled in total"
 
         page.keyboard.press("4")  # the first clip
         page.keyboard.press("7")  # off the scale: nothing

@@ -216,6 +216,9 @@ export const COMPONENTS = { pair, ranking, rating };
 // The component of query q (a server from before rankings sends no kind: its queries are pairs).
 export function componentOf(q) { return COMPONENTS[(q && q.kind) || "pair"]; }
 
+// "Pair", "Ranking" or "Rating": the kind of query q is, as a line of the page starts with it.
+export function nounOf(q) { const n = componentOf(q).noun; return n[0].toUpperCase() + n.slice(1); }
+
 // Shows q with its component, and hides every other component's view and controls.
 export function showQuery(q) {
   const shown = componentOf(q);

@@ -4,7 +4,7 @@
 import {
   getConfig, getInvitations, getLatestEvaluation, getNext, getRunState, getRuns, postInvitation, postLabel, postRevoke, postUndo,
 } from "./api.js";
-import { componentOf, showQuery } from "./answers.js";
+import { componentOf, nounOf, showQuery } from "./answers.js";
 import { activePair, applySpeed, forgetPairs, hiddenPair, loadPair, pauseAll, startTogether } from "./player.js";
 import {
   $, NAME_KEY, RUN_KEY, SPEED_KEY, UNDO_KEY, noteProgress, noteRunCounts, outbox, saveOutbox, state, unsentIds,
@@ -162,7 +162,7 @@ function answer(given) {
     choice: given.choice, ranking: given.ranking, ratings: given.ratings, annotator: state.annotator, run_id: q.run_id, session: q.session,
   };
   saveOutbox(box);
-  state.lastSession = { run: q.run_id, session: q.session };
+  state.lastSession = { run: q.run_id, session: q.session, noun: componentOf(q).noun };
   const done = sendLabel(q.query_id);
   state.history.push({ query: q, done });
   $("#undo").disabled = !state.config.allow_editing;
@@ -211,7 +211,7 @@ async function sendUntilAnswered(queryId) {
         continue;
       }
       const box = outbox(); delete box[queryId]; saveOutbox(box);
-      notice(`Pair #${queryId} was not saved: ${e.message}`, true);
+      notice(`Your answer to #${queryId} was not saved: ${e.message}`, true);
       renderProgress();
       renderOutbox();
       return null;
@@ -230,11 +230,11 @@ async function undoLast() {
   if (String(last.query.query_id) in outbox() && state.offlineSince !== null) {
     state.history.push(last);
     $("#undo").disabled = false;
-    notice(`Pair #${last.query.query_id} is not sent yet; it can be undone once the server has it.`);
+    notice(`${nounOf(last.query)} #${last.query.query_id} is not sent yet; it can be undone once the server has it.`);
     return;
   }
   const saved = await last.done;
-  if (!saved) { notice(`Pair #${last.query.query_id} had not been saved, nothing to undo.`); return; }
+  if (!saved) { notice(`${nounOf(last.query)} #${last.query.query_id} had not been saved, nothing to undo.`); return; }
   try {
     // the undone pair takes the place of the next one (already leased to this browser): the server frees that one
     const release = state.prefetched ? [state.prefetched.query_id] : [];

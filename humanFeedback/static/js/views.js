@@ -1,7 +1,7 @@
 // What the person reads: the notice line, the progress line, the instructions, the run panel (what the trainer does
 // now and what the agent does), the trainers' news while no pair waits, the outbox warning, the other-tab warning,
 // and the reward-model check view. Rendering only: no requests but the check view's.
-import { hideQueries } from "./answers.js";
+import { componentOf, hideQueries, nounOf } from "./answers.js";
 import { getEvaluations, getRuns } from "./api.js";
 import { pauseAll, speed } from "./player.js";
 import { $, outbox, state, unsentIn, unsentSkipsIn } from "./state.js";
@@ -16,12 +16,12 @@ export function setChoicesEnabled(on) {
   for (const b of document.querySelectorAll("button.choice")) b.disabled = !on;
 }
 
-// "Pair k of N in session s · L labelled in total, S skipped": k counts the session's answered pairs (skips too) and
-// the one on screen; L counts labels, what the reward model learns from (a skip is none). Answers kept in this
-// browser and not yet confirmed count as given.
+// "Pair k of N in session s · L labelled in total, S skipped" ("Ranking k of N", "Rating k of N" for a session of
+// those): k counts the session's answered queries (skips too) and the one on screen; L counts labels, what the reward
+// model learns from (a skip is none). Answers kept in this browser and not yet confirmed count as given.
 export function renderProgress() {
   const q = state.current;
-  const at = q ? { run: q.run_id, session: q.session } : state.lastSession;
+  const at = q ? { run: q.run_id, session: q.session, noun: componentOf(q).noun } : state.lastSession;
   if (!at) { $("#progress").textContent = ""; return; }
   const rec = state.sessions[`${at.run}:${at.session}`];
   if (!rec) return;
@@ -29,8 +29,9 @@ export function renderProgress() {
   const run = state.runTotals[at.run] || { labelled: 0, skipped: 0 };
   const skipped = run.skipped + unsentSkipsIn(at.run);
   const labelled = run.labelled + unsentIn(at.run) - unsentSkipsIn(at.run);
-  const text = q ? `Pair ${Math.min(rec.total, answered + 1)} of ${rec.total} in session ${at.session}`
-    : `Session ${at.session}: ${answered} of ${rec.total} pairs answered`;
+  const noun = at.noun || "pair";
+  const text = q ? `${nounOf(q)} ${Math.min(rec.total, answered + 1)} of ${rec.total} in session ${at.session}`
+    : `Session ${at.session}: ${answered} of ${rec.total} ${noun}s answered`;
   $("#progress").textContent = `${text} · ${labelled} labelled in total` + (skipped ? `, ${skipped} skipped` : "");
 }
 
