@@ -155,7 +155,7 @@ TEACHER_FLAGS = {
 def default_output(args) -> Path:
     """Where an invocation without --output writes (bench/common.py's layout): PrefPPO's under pref-ppo, a teacher that
     makes mistakes under noisy-teachers (named by its labels and defence), any other under its task, by variant."""
-    task = task_name(args.env_id)
+    task = task_name(args.env_id) + ("" if args.terminate_when_unhealthy else "-no-fall-end")
     if args.algorithm == "ppo":
         return results_path("feedback_efficiency", "pref-ppo", task)
     if teacher_flags(args):
@@ -180,13 +180,19 @@ def pebble_flags(args, seed: int, run_name: str) -> list[str]:
         "--teacher-feedback-frequency", str(args.feedback_frequency),
         "--evaluation-frequency", str(args.evaluation_frequency), "--evaluation-episodes", str(args.evaluation_episodes),
         "--checkpoint-frequency", str(args.checkpoint_frequency), *variant_flags(args.variant, args.env_id), *teacher_flags(args),
-        *(SAC_ENV_FLAGS.get(args.env_id, []) if args.algorithm == "sac" else []),
+        *(SAC_ENV_FLAGS.get(args.env_id, []) if args.algorithm == "sac" else []), *termination_flags(args),
     ]  # fmt: skip
+
+
+def termination_flags(args) -> list[str]:
+    """--no-terminate-when-unhealthy: both runs on the task with no end on a fall, as Christiano et al. (2017) ran
+    Hopper, Walker2d and Ant, so that a learned reward's constant cannot make ending the episode pay."""
+    return [] if args.terminate_when_unhealthy else ["--no-terminate-when-unhealthy"]
 
 
 # What a baseline run depends on (baseline_flags): a run from an earlier invocation is reused only where these agree.
 # The preference-based run's exploration, label budget, schedule and variant are not among them.
-BASELINE_SETTINGS = ("algorithm", "env_id", "steps", "evaluation_frequency", "evaluation_episodes")
+BASELINE_SETTINGS = ("algorithm", "env_id", "steps", "evaluation_frequency", "evaluation_episodes", "terminate_when_unhealthy")
 
 
 def baseline_flags(args, seed: int, run_name: str) -> list[str]:
@@ -197,7 +203,7 @@ def baseline_flags(args, seed: int, run_name: str) -> list[str]:
     return [
         "--env-id", args.env_id, "--seed", str(seed), "--total-timesteps", str(args.steps),
         "--evaluation-frequency", str(args.evaluation_frequency), "--evaluation-episodes", str(args.evaluation_episodes),
-        *checkpoints, *extra, "--run-name", run_name,
+        *checkpoints, *extra, *termination_flags(args), "--run-name", run_name,
     ]  # fmt: skip
 
 
@@ -210,7 +216,7 @@ def curve_until(curve: list[list[float]] | None, step: int) -> list[list[float]]
 
 
 # A setting's value in results written before they recorded it.
-RECORDED_LATER = {"algorithm": "sac"}
+RECORDED_LATER = {"algorithm": "sac", "terminate_when_unhealthy": True}
 
 
 def earlier_results(paths: list[Path], args, settings: tuple[str, ...], flag: str):
@@ -376,6 +382,12 @@ def main() -> None:
     parser.add_argument("--evaluation-episodes", type=int, default=10)
     parser.add_argument("--target-return", type=float, default=None, help="also report the first evaluation step reaching this return")
     parser.add_argument("--seeds", type=int, nargs="+", default=[1])
+    parser.add_argument(
+        "--terminate-when-unhealthy",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="--no-terminate-when-unhealthy: both runs, evaluations included, on the task with no end on a fall (Hopper, Walker2d, Ant)",
+    )
     parser.add_argument("--variant", choices=sorted(VARIANTS), default="pebble", help="flags the preference-based run adds (VARIANTS)")
     parser.add_argument("--teacher-eps-mistake", type=float, default=0.0, help="the synthetic teacher flips this share of labels")
     parser.add_argument("--teacher-beta", type=float, default=-1.0, help="beta-rational teacher (Bradley-Terry sampling); -1: oracle")

@@ -196,7 +196,7 @@ def bench_settings(**changes):
     settings = dict(
         algorithm="sac", env_id="CartPole-v1", steps=100_000, labels=200, sessions=10, feedback_frequency=5000,
         explore_steps=10_000, evaluation_frequency=10_000, evaluation_episodes=10, variant="pebble",
-        checkpoint_frequency=10_000,
+        checkpoint_frequency=10_000, terminate_when_unhealthy=True,
     )  # fmt: skip
     return argparse.Namespace(**(settings | changes))
 
@@ -207,6 +207,7 @@ def test_a_baseline_is_reused_exactly_when_its_run_would_be_the_same():
     length once was)."""
     flags = feedback_efficiency.baseline_flags(bench_settings(), 1, "run")
     other_values = {"algorithm": "ppo", "env_id": "Hopper-v5", "steps": 50_000, "evaluation_frequency": 5000, "evaluation_episodes": 5}
+    other_values["terminate_when_unhealthy"] = False
     assert set(other_values) == set(feedback_efficiency.BASELINE_SETTINGS)
     for key, value in other_values.items():
         assert feedback_efficiency.baseline_flags(bench_settings(**{key: value}), 1, "run") != flags, key
@@ -245,6 +246,27 @@ def test_feedback_efficiency_runs_swimmer_with_its_run_scripts_discount_on_both_
     for flags in (feedback_efficiency.pebble_flags(settings, 1, "a"), feedback_efficiency.baseline_flags(settings, 1, "b")):
         assert flags[flags.index("--gamma") + 1] == gamma == "0.9999"
     assert "--gamma" not in feedback_efficiency.baseline_flags(bench_settings(env_id="Ant-v5"), 1, "b")
+
+
+def test_feedback_efficiency_ends_no_episode_on_a_fall_on_both_sides_when_asked():
+    """--no-terminate-when-unhealthy reaches SAC's run and PEBBLE's alike, and both scripts read it as the task without
+    the fall's end: a comparison with one side ending on a fall would measure the termination, not the labels."""
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        from common import script_module
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+    from cleanrlhf_utils.cli import command_line_args
+
+    rlhf_script, _, base_script, _ = feedback_efficiency.ALGORITHMS["sac"]
+    for ends, expected in ((True, True), (False, False)):
+        settings = bench_settings(env_id="Ant-v5", terminate_when_unhealthy=ends)
+        preference = command_line_args(script_module(rlhf_script).Args, feedback_efficiency.pebble_flags(settings, 1, "a"))
+        baseline = command_line_args(script_module(base_script).Args, feedback_efficiency.baseline_flags(settings, 1, "b"))
+        assert preference.terminate_when_unhealthy is baseline.terminate_when_unhealthy is expected
+    assert (
+        feedback_efficiency.default_output(bench_settings(env_id="Ant-v5", terminate_when_unhealthy=False)).parent.name == "ant-no-fall-end"
+    )
 
 
 def test_feedback_efficiency_variants_are_valid_runs_that_differ_only_as_named():
