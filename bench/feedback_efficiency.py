@@ -120,15 +120,12 @@ VARIANTS = {
     "norm": ["--reward-net-normalize-inputs"],
     "norm-reset": ["--reward-net-normalize-inputs", "--reset-actor-after-exploration"],
     "norm-reset-std1": ["--reward-net-normalize-inputs", "--reset-actor-after-exploration", "--learned-reward-std", "1"],
-    # and the learned reward shifted to be >= 0, so that staying in an episode pays where a fall ends it (the Ant flipped)
-    "norm-reset-std1-nonneg": [
-        "--reward-net-normalize-inputs",
-        "--reset-actor-after-exploration",
-        "--learned-reward-std",
-        "1",
-        "--learned-reward-nonnegative",
-    ],
+    # and the learned reward shifted to be >= 0, so that staying in an episode pays where a fall ends it (the Ant
+    # flipped): bench/nonnegative_reward.py, VARIANT_SCRIPTS
+    "norm-reset-std1-nonneg": ["--reward-net-normalize-inputs", "--reset-actor-after-exploration", "--learned-reward-std", "1"],
 }
+# A variant that changes the algorithm rather than its settings runs an experiment's script, sac_rlhf.py changed by it.
+VARIANT_SCRIPTS = {"norm-reset-std1-nonneg": str(REPO / "bench" / "nonnegative_reward.py")}
 
 
 # What `tuned` and `qpa` add per suite, as the README recommends (and the suite's run scripts do): bench/reward_learning.py found
@@ -444,6 +441,10 @@ def main() -> None:
     rlhf_script, rlhf, base_script, base = ALGORITHMS[args.algorithm]
     if args.algorithm == "sac":  # a label-noise defence is a variant of PEBBLE in a file of its own
         rlhf_script = DEFENCE_SCRIPTS[args.robust_labels]
+    if args.variant in VARIANT_SCRIPTS:
+        if args.robust_labels != "none" or args.algorithm != "sac":
+            parser.error(f"--variant {args.variant} runs its own script, {VARIANT_SCRIPTS[args.variant]}: PEBBLE's oracle only")
+        rlhf_script = VARIANT_SCRIPTS[args.variant]
     extra = PPO_ENV_FLAGS.get(args.env_id, []) if args.algorithm == "ppo" else []  # SAC's per task: in pebble_flags
     rlhf_extra = PREFERENCE_ENV_FLAGS.get(args.env_id, []) if args.algorithm == "ppo" else []
 

@@ -218,10 +218,6 @@ class Args(CheckpointArgs, FeedbackArgs, PreferenceArgs, SACArgs, PresetArgs):
     """SAC learns the learned reward rescaled, uncentred, to this standard deviation over the replay buffer, set at
     every relabel (0: as the model gives it). A reward model's scale is whatever fits the labels (about 0.3 on
     HalfCheetah, ten times smaller than the env's), and SAC learned the true reward scaled that small as slowly"""
-    learned_reward_nonnegative: bool = False
-    """SAC learns the learned reward shifted by its lowest value over the replay buffer, set at every relabel, so that
-    no step costs and staying in an episode pays: where episodes end on a fall (Ant, Hopper, Walker2d) the preference
-    model's free constant can make every step cost, and an agent that falls at once scores best (an Ant that flips)"""
 
 
 # ----------------------------------------------------------------------------------------
@@ -974,7 +970,6 @@ class LoopState:
     learning_from_preferences: bool = False  # PEBBLE's second phase: labels exist and the critic was reset for them
     last_eval_return: float = float("nan")
     reward_scale: float = 1.0  # --learned-reward-std: the factor SAC's learned rewards are multiplied by
-    reward_shift: float = 0.0  # --learned-reward-nonnegative: added to SAC's learned rewards before the scale
 
 
 def start_afresh(agent: SACAgent) -> None:
@@ -1059,17 +1054,10 @@ def sac_reward_scale(rb: ReplayBuffer, args: Args) -> float:
     return args.learned_reward_std / std if args.learned_reward_std > 0 and std > 1e-6 else 1.0
 
 
-def sac_reward_shift(rb: ReplayBuffer, args: Args) -> float:
-    """With --learned-reward-nonnegative, minus the lowest learned reward in the buffer (0 otherwise)."""
-    return -float(rb.learned_rewards[: rb.size].min()) if args.learned_reward_nonnegative and rb.size else 0.0
-
-
 def learned_rewards(rb: ReplayBuffer, idx: np.ndarray, args: Args, step: int, device, loop: LoopState) -> torch.Tensor:
-    """A batch's learned reward (plus --learned-reward-nonnegative's shift), plus RUNE's bonus beta_t x the ensemble's
-    std: optimism where the reward model is unsure, decaying over the run; both times --learned-reward-std's scale."""
+    """A batch's learned reward, plus RUNE's bonus beta_t x the ensemble's std: optimism where the reward model is
+    unsure, decaying over the run; both times --learned-reward-std's scale (loop.reward_scale)."""
     rewards = torch.as_tensor(rb.learned_rewards[idx], device=device)
-    if loop.reward_shift:
-        rewards = rewards + loop.reward_shift
     if args.rune:
         bonus = torch.as_tensor(rb.reward_std[idx], device=device)
         rewards = rewards + rune_beta(args.rune_beta, args.rune_beta_decay, step) * bonus
@@ -1138,7 +1126,7 @@ def main(args: Args, on_evaluation=None, reward_training: Callable | None = None
                         reward_stats = reward_training(reward_model, reward_optimizer, prefs, rb, args, rng, device)
                         reward_change = relabel(reward_model, rb, pending, device)
                         measures = after_session(agent, loop, reward_change) if after_session else {}
-                        loop.reward_scale, loop.reward_shift = sac_reward_scale(rb, args), sac_reward_shift(rb, args)
+                        loop.reward_scale = sac_reward_scale(rb, args)
                         reset_after_session(agent, loop, len(prefs), args)  # the first labels: a fresh critic
                         loop.sessions_done += complete
                         show_reward_model(teacher, session, prefs, rb, predict_learned_rewards, args, rng, step)

@@ -269,6 +269,24 @@ def test_feedback_efficiency_ends_no_episode_on_a_fall_on_both_sides_when_asked(
     )
 
 
+def test_a_variant_that_changes_the_algorithm_runs_its_own_script_with_the_variants_flags():
+    """--variant norm-reset-std1-nonneg runs bench/nonnegative_reward.py (sac_rlhf.py with the shifted reward), whose
+    Args take the preference run's flags as sac_rlhf.py's do."""
+    from cleanrlhf_utils.cli import command_line_args
+
+    (variant, script), *_ = feedback_efficiency.VARIANT_SCRIPTS.items()
+    assert Path(script) == REPO / "bench" / "nonnegative_reward.py" and variant in feedback_efficiency.VARIANTS
+    flags = feedback_efficiency.pebble_flags(bench_settings(env_id="Ant-v5", variant=variant), 1, "a")
+    sys.path.insert(0, str(REPO / "bench"))  # as when the benchmark runs: bench/ is its script's folder
+    try:
+        from common import script_module
+
+        run = command_line_args(script_module(script).Args, flags)
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+    assert run.exp_name == "nonnegative_reward" and run.learned_reward_std == 1.0 and run.reset_actor_after_exploration
+
+
 def test_feedback_efficiency_variants_are_valid_runs_that_differ_only_as_named():
     """bench/feedback_efficiency.py --variant: each variant's flags parse and validate as sac_rlhf.py's own, and each QPA
     ablation is QPA with exactly its one part switched off (else the ablation would measure something else too)."""
@@ -557,7 +575,7 @@ def test_every_benchmark_writes_into_the_layout_by_default():
     for path in writers:
         source = path.read_text()
         assert f'results_path("{path.stem}"' in source and '"bench" / "results"' not in source, path.name
-    options = {"env_id": "dm_control/walker-walk-v0", "algorithm": "sac", "variant": "qpa", "labels": 100}
+    options = {"env_id": "dm_control/walker-walk-v0", "algorithm": "sac", "variant": "qpa", "labels": 100, "terminate_when_unhealthy": True}
     options |= dict(feedback_efficiency.TEACHER_FLAGS)
     default = feedback_efficiency.default_output
     assert default(argparse.Namespace(**options)) == RESULTS / "feedback_efficiency" / "walker-walk" / "qpa.json"

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -361,7 +362,7 @@ def test_learned_reward_std_gives_sac_the_learned_reward_at_that_std_without_mov
     assert torch.allclose(scaled / torch.as_tensor(rb.learned_rewards[:800]), scaled[0] / rb.learned_rewards[0])  # uncentred
 
     default = sac_rlhf.Args()
-    assert sac_rlhf.sac_reward_scale(rb, default) == 1.0 and sac_rlhf.sac_reward_shift(rb, default) == 0.0
+    assert sac_rlhf.sac_reward_scale(rb, default) == 1.0
     plain = sac_rlhf.learned_rewards(rb, idx, default, 0, cpu, sac_rlhf.LoopState())
     assert torch.equal(plain, torch.as_tensor(rb.learned_rewards[:800]))
     rb.learned_rewards[:800] = 0.2  # a constant reward has no scale to set: left as it is
@@ -370,22 +371,41 @@ def test_learned_reward_std_gives_sac_the_learned_reward_at_that_std_without_mov
         sac_rlhf.validate_args(sac_rlhf.Args(learned_reward_std=-1.0))
 
 
-def test_learned_reward_nonnegative_shifts_the_lowest_learned_reward_to_zero_before_the_scale():
-    """Where episodes end on a fall, a learned reward below zero everywhere makes falling at once the best return: the
-    shift makes every step worth at least nothing, the buffer's lowest exactly nothing, and keeps every difference."""
+def test_the_nonnegative_reward_experiment_shifts_the_lowest_learned_reward_to_zero_before_the_scale(monkeypatch):
+    """bench/nonnegative_reward.py: where episodes end on a fall, a learned reward below zero everywhere makes falling at
+    once the best return. Its relabel shifts the buffer's lowest learned reward to exactly nothing, keeps every
+    difference, puts the shift in the loop's checkpointed counters, and sac_rlhf.py itself is left as it was."""
+    import gymnasium as gym
+
     from cleanrlhf_utils.buffers import ReplayBuffer
+
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        import nonnegative_reward
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+    for name in ("LoopState", "sac_reward_scale", "reset_after_session", "learned_rewards"):
+        monkeypatch.setattr(sac_rlhf, name, getattr(sac_rlhf, name))  # restored after the test
+    plain_rewards = sac_rlhf.learned_rewards
+    nonnegative_reward.shift_learned_rewards()
 
     rb = ReplayBuffer(1000, OBS_DIM, ACTION_DIM, 1)
     rb.pos = 800
     rb.learned_rewards[:800] = np.random.default_rng(0).normal(-0.6, 0.2, 800)
     rb.learned_rewards[800:] = -50.0  # not filled: not counted
     idx, cpu = np.arange(800), torch.device("cpu")
-    args = sac_rlhf.Args(learned_reward_nonnegative=True, learned_reward_std=1.0)
-    loop = sac_rlhf.LoopState(reward_scale=sac_rlhf.sac_reward_scale(rb, args), reward_shift=sac_rlhf.sac_reward_shift(rb, args))
+    args = nonnegative_reward.Args(learned_reward_std=1.0, actor_hidden_dim=32, critic_hidden_dim=32)
+    agent = sac_rlhf.SACAgent(OBS_DIM, gym.spaces.Box(-1.0, 1.0, (ACTION_DIM,), np.float32), args, cpu)
+    loop = sac_rlhf.LoopState()
+    loop.reward_scale = sac_rlhf.sac_reward_scale(rb, args)  # the relabel's order: the scale, then the critic reset
+    sac_rlhf.reset_after_session(agent, loop, 10, args)
+    assert loop.reward_shift == pytest.approx(-float(rb.learned_rewards[:800].min())) and "reward_shift" in asdict(loop)
     shifted = sac_rlhf.learned_rewards(rb, idx, args, 0, cpu, loop)
     assert shifted.min().item() == pytest.approx(0.0, abs=1e-6) and shifted.std(unbiased=False).item() == pytest.approx(1.0, rel=1e-5)
     original = torch.as_tensor(rb.learned_rewards[:800])
     assert torch.allclose(shifted - shifted[0], (original - original[0]) * loop.reward_scale, atol=1e-5)
+    assert torch.allclose(plain_rewards(rb, idx, args, 0, cpu, loop), original * loop.reward_scale)  # sac_rlhf: no shift
+    assert "learned_reward_nonnegative" not in sac_rlhf.Args.__dataclass_fields__
 
 
 @pytest.mark.parametrize("reset_actor", [False, True])
