@@ -23,9 +23,14 @@ once together, then a drawn delay per clip (each rating is a judgement of its ow
 teacher's ratings (SyntheticTeacher.rate_true_rewards: equal bins between the worst and best clip seen, a mistake
 replacing a clip's rating by another).
 
-How the person knows what a clip shows: the trainer logs each uploaded pair with its objective returns in
-runs/<run>/shown_pairs.jsonl (what `--teacher-objective` does in human mode); the person reads the query id of the
-pair on screen from the page (#pairs data-query-id) and looks it up there, as a real person would judge the clip.
+How the person knows what a clip shows: the trainer logs each uploaded pair with its env returns and objective
+returns in runs/<run>/shown_pairs.jsonl (the latter what `--teacher-objective` does in human mode); the person reads
+the query id of the pair on screen from the page (#pairs data-query-id) and looks it up there, as a real person would
+judge the clip. With --objective env the person judges by the env's own return (Hopper-v5: how far and how well it
+hops) and the trainer has no objective:
+
+    python bench/simulated_person.py --env-id Hopper-v5 --objective env --modes async --steps 100000 \
+        --explore-steps 10000 --feedback-frequency 5000 --pairs-per-session 20 --clips-per-query 2 3 --labels 200 100
 
 Reported per run and as medians per mode:
   first_pair_s          seconds from the trainer's launch to the first pair on screen (exploration steps included)
@@ -35,6 +40,7 @@ Reported per run and as medians per mode:
                         summary.json feedback_longest_step_wait_seconds), the run's last step left out: with
                         --feedback-async that step waits for the open session's answers by design
   person_waiting_share  the person's time between an answer and the next pair on screen, over the labelling time
+  eval_return           the final evaluation's return on the env's own reward (Hopper-v5's result with --objective env)
   objective_success     the final evaluation's share of time turning the preferred way (the windmill's success)
   agreement             the person's answers agreeing with the objective (their noise), and the trainer's own
                         measure of it (feedback/objective_agreement, mean over sessions)
@@ -72,12 +78,17 @@ from cleanrlhf_utils.ratings import MAX_SCALE, clip_ratings
 CHROMIUM = "/usr/bin/chromium"
 
 
-class ShownPairs:
-    """runs/<run>/shown_pairs.jsonl, read as it grows: query id -> the objective's returns of its clips, in the order
-    shown ((left, right) for a pair)."""
+# --objective env: the person wants what the env's own reward pays (Hopper's hop), and judges each clip by its return
+ENV_REWARD = "env"
 
-    def __init__(self, path: Path):
+
+class ShownPairs:
+    """runs/<run>/shown_pairs.jsonl, read as it grows: query id -> the returns of its clips the person judges by, in
+    the order shown ((left, right) for a pair): the objective's, or with judge ENV_REWARD the env's."""
+
+    def __init__(self, path: Path, judge: str = "objective"):
         self.path, self.offset, self.returns = path, 0, {}
+        self.judge = "env" if judge == ENV_REWARD else "objective"
 
     def lookup(self, query_id: int, timeout: float = 10.0) -> tuple[float, ...]:
         deadline = time.monotonic() + timeout
@@ -90,7 +101,8 @@ class ShownPairs:
                             break
                         self.offset += len(line.encode())
                         pair = json.loads(line)
-                        clips = pair.get("objective_returns") or (pair["left_objective_return"], pair["right_objective_return"])
+                        name = self.judge
+                        clips = pair.get(f"{name}_returns") or (pair[f"left_{name}_return"], pair[f"right_{name}_return"])
                         self.returns[pair["query_id"]] = tuple(clips)
             if query_id in self.returns:
                 break
@@ -239,7 +251,8 @@ def label_through_page(base: str, token: str, trainer, shown: ShownPairs, person
 
 def trainer_flags(args, seed: int, run_name: str, base: str, asynchronous: bool, clips: int, scale: int, labels: int) -> list[str]:
     return [
-        "--env-id", args.env_id, "--teacher-objective", args.objective, "--seed", str(seed), "--run-name", run_name,
+        "--env-id", args.env_id, *(["--teacher-objective", args.objective] if args.objective != ENV_REWARD else []),
+        "--seed", str(seed), "--run-name", run_name,
         "--total-timesteps", str(args.steps), "--total-explore-steps", str(args.explore_steps),
         "--learning-starts", str(min(1000, args.explore_steps)), "--teacher-feedback-total-queries", str(labels),
         "--teacher-feedback-num-queries-per-session", str(args.pairs_per_session), "--teacher-feedback-schedule", "linear",
@@ -275,7 +288,7 @@ def one_run(args, seed: int, asynchronous: bool, clips: int, scale: int, labels:
     )  # fmt: skip
     try:
         person = Person(args.person_beta, args.person_eps_mistake, tuple(args.answer_delay), seed, scale)
-        shown = ShownPairs(args.workdir / "runs" / run_name / "shown_pairs.jsonl")
+        shown = ShownPairs(args.workdir / "runs" / run_name / "shown_pairs.jsonl", args.objective)
         seen = label_through_page(base, token, trainer, shown, person, started, clips, scale)
     finally:
         if trainer.poll() is None:
@@ -298,6 +311,7 @@ def one_run(args, seed: int, asynchronous: bool, clips: int, scale: int, labels:
         "longest_step_wait_at": summary["feedback_longest_step_wait_step"],
         "person_waiting_s": sum(seen["waits"]), "person_waiting_share": sum(seen["waits"]) / labelling if labelling else None,
         "longest_wait_s": max(seen["waits"], default=0.0),
+        "eval_return": summary["final_eval_return"],
         "objective_return": summary.get("final_objective_return"), "objective_success": summary.get("final_objective_success"),
         "person_agreement": statistics.mean(judged) if judged else None, "trainer_agreement": trainer_agreement(args.workdir, run_name),
         "page_errors": seen["page_errors"], "answers": answers, "waits": seen["waits"],
@@ -318,13 +332,17 @@ COLUMNS = [
     "trainer_idle_share",
     "longest_step_wait_s",
 ]
-COLUMNS += ["person_waiting_share", "longest_wait_s", "objective_success", "person_agreement", "trainer_agreement"]
+COLUMNS += ["person_waiting_share", "longest_wait_s", "eval_return", "objective_success", "person_agreement", "trainer_agreement"]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--env-id", default=WINDMILL)
-    parser.add_argument("--objective", default="windmill-clockwise", help="what the person wants (a --teacher-objective)")
+    parser.add_argument(
+        "--objective",
+        default="windmill-clockwise",
+        help=f"what the person wants: a --teacher-objective, or {ENV_REWARD!r}, what the env's own reward pays (Hopper-v5's hop)",
+    )
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--modes", nargs="+", choices=["sync", "async"], default=["async", "sync"])
     parser.add_argument(

@@ -1,6 +1,7 @@
 """bench/simulated_person.py small: a headless Chromium plays a person on the real page of a real human-mode run on the
 zero-reward windmill (server autostarted, token on), answering by the objective it wants from what each pair shows."""
 
+import argparse
 import json
 import sqlite3
 import subprocess
@@ -131,3 +132,28 @@ def test_a_person_ranks_and_rates_clips_on_the_page_and_each_run_learns_the_answ
     for (low, high), ratings in zip(np.argsort(returns, axis=1), [given[q] for q in sorted(given)]):
         assert ratings[high] >= ratings[low]
     assert json.loads((run_dir / "args.json").read_text())["rating_scale"] == 4
+
+
+def test_a_person_who_wants_the_envs_reward_judges_by_its_returns_and_the_trainer_has_no_objective(tmp_path):
+    """--objective env (Hopper's hop): the person reads each clip's env return from shown_pairs.jsonl, a pair's and a
+    ranking's alike, and the trainer runs without --teacher-objective (it has none to measure agreement with)."""
+    person_module = simulated_person()
+    log = tmp_path / "shown_pairs.jsonl"
+    lines = [
+        {"query_id": 4, "left_env_return": 12.5, "right_env_return": 30.0, "left_objective_return": 1.0, "right_objective_return": 0.0},
+        {"query_id": 5, "env_returns": [3.0, 9.0, 1.0], "objective_returns": [0.0, 0.0, 1.0]},
+    ]
+    log.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    by_env, by_objective = person_module.ShownPairs(log, "env"), person_module.ShownPairs(log, "windmill-clockwise")
+    assert by_env.lookup(4) == (12.5, 30.0) and by_env.lookup(5) == (3.0, 9.0, 1.0)
+    assert by_objective.lookup(4) == (1.0, 0.0) and by_objective.lookup(5) == (0.0, 0.0, 1.0)
+
+    args = argparse.Namespace(
+        env_id="Hopper-v5", objective="env", steps=1000, explore_steps=500, pairs_per_session=3, feedback_frequency=300,
+        evaluation_frequency=1000, async_poll_steps=None, preference_flags="",
+    )  # fmt: skip
+    flags = person_module.trainer_flags(args, 1, "run", "http://127.0.0.1:1", True, 2, 0, 6)
+    assert "--teacher-objective" not in flags and flags[flags.index("--env-id") + 1] == "Hopper-v5"
+    args.objective = "windmill-clockwise"
+    flags = person_module.trainer_flags(args, 1, "run", "http://127.0.0.1:1", True, 2, 0, 6)
+    assert flags[flags.index("--teacher-objective") + 1] == "windmill-clockwise"
