@@ -55,8 +55,10 @@ def task_settings(args, env_id: str) -> argparse.Namespace:
     defaults = TASKS.get(env_id, {"variant": "tuned", "labels": 200})
     feedback_frequency = args.feedback_frequency or max(1, int(0.9 * args.steps / args.sessions))
     chosen = {"variant": args.variant or defaults["variant"], "labels": args.labels or defaults["labels"]}
-    # No checkpoints: this benchmark has no --resume-unfinished (a frozen run needs its online run's final model)
+    # No checkpoints: this benchmark has no --resume-unfinished (a frozen run needs its online run's final model); the
+    # tasks as they are, an episode ending on a fall where the env ends it
     fixed = {"algorithm": "sac", "env_id": env_id, "feedback_frequency": feedback_frequency, "checkpoint_frequency": 0}
+    fixed["terminate_when_unhealthy"] = True
     return argparse.Namespace(**vars(args) | chosen | fixed)
 
 
