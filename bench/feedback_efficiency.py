@@ -167,6 +167,12 @@ def teacher_flags(args) -> list[str]:
     return [token for name, value in changed if value != TEACHER_FLAGS[name] for token in (f"--{name.replace('_', '-')}", str(value))]
 
 
+def termination_flags(args) -> list[str]:
+    """--no-terminate-when-unhealthy: both runs on the task with no end on a fall, as Christiano et al. (2017) ran
+    Hopper, Walker2d and Ant, so that a learned reward's constant cannot make ending the episode pay."""
+    return [] if args.terminate_when_unhealthy else ["--no-terminate-when-unhealthy"]
+
+
 def pebble_flags(args, seed: int, run_name: str) -> list[str]:
     per_session = max(1, args.labels // args.sessions)
     return [
@@ -179,12 +185,6 @@ def pebble_flags(args, seed: int, run_name: str) -> list[str]:
         "--checkpoint-frequency", str(args.checkpoint_frequency), *variant_flags(args.variant, args.env_id), *teacher_flags(args),
         *(SAC_ENV_FLAGS.get(args.env_id, []) if args.algorithm == "sac" else []), *termination_flags(args),
     ]  # fmt: skip
-
-
-def termination_flags(args) -> list[str]:
-    """--no-terminate-when-unhealthy: both runs on the task with no end on a fall, as Christiano et al. (2017) ran
-    Hopper, Walker2d and Ant, so that a learned reward's constant cannot make ending the episode pay."""
-    return [] if args.terminate_when_unhealthy else ["--no-terminate-when-unhealthy"]
 
 
 # What a baseline run depends on (baseline_flags): a run from an earlier invocation is reused only where these agree.

@@ -16,9 +16,11 @@ import time
 from pathlib import Path
 
 import gymnasium as gym
-import imageio_ffmpeg
 import numpy as np
 import requests
+
+from cleanrlhf_utils.envs import write_mp4
+from cleanrlhf_utils.protocol import TOKEN_ENV
 
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "docs" / "page"
@@ -30,13 +32,12 @@ def hopper_clip(path: Path, seed: int, steps: int = 50) -> bytes:
     env = gym.make("Hopper-v5", render_mode="rgb_array", width=320, height=240)
     env.reset(seed=seed)
     rng = np.random.default_rng(seed)
-    writer = imageio_ffmpeg.write_frames(str(path), (320, 240), fps=25, codec="libx264", pix_fmt_out="yuv420p", ffmpeg_log_level="error")
-    writer.send(None)
+    frames = []
     for _ in range(steps):
         env.step(rng.uniform(-1, 1, env.action_space.shape) * 0.6)
-        writer.send(np.ascontiguousarray(env.render()).tobytes())
-    writer.close()
+        frames.append(env.render())
     env.close()
+    write_mp4(path, np.stack(frames), fps=25)
     return path.read_bytes()
 
 
@@ -56,7 +57,7 @@ def main() -> None:
         server = subprocess.Popen(
             [sys.executable, "-m", "humanFeedback.feedback_server", "--port", str(port), "--data-dir", str(tmp / "data")],
             cwd=REPO,
-            env={**os.environ, "FEEDBACK_SERVER_TOKEN": token},
+            env={**os.environ, TOKEN_ENV: token},
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
