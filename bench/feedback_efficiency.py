@@ -173,6 +173,11 @@ def termination_flags(args) -> list[str]:
     return [] if args.terminate_when_unhealthy else ["--no-terminate-when-unhealthy"]
 
 
+def run_tag(env_id: str, seed: int, stamp: str) -> str:
+    """The part of a run's name after bench_<script>_: a file name (a module:Id env by its id, no slashes)."""
+    return f"{env_id.rsplit(':', 1)[-1].replace('/', '_')}_{seed}_{stamp}"
+
+
 def pebble_flags(args, seed: int, run_name: str) -> list[str]:
     per_session = max(1, args.labels // args.sessions)
     return [
@@ -461,7 +466,7 @@ def main() -> None:
     jobs = []  # (seed, name, script, flags), started `parallel` at a time
     run_dirs = {}  # (seed, name) -> (the run directory its figures are read from, its figures at args.steps if longer)
     for seed in args.seeds:
-        tag = f"{args.env_id.replace('/', '_')}_{seed}_{stamp}"
+        tag = run_tag(args.env_id, seed, stamp)
         wanted = [(rlhf, rlhf_script, [*pebble_flags(args, seed, f"bench_{rlhf}_{tag}"), *extra, *rlhf_extra])]
         if seed not in reused:
             wanted.append((base, base_script, baseline_flags(args, seed, f"bench_{base}_{tag}")))

@@ -248,6 +248,12 @@ def test_feedback_efficiency_runs_swimmer_with_its_run_scripts_discount_on_both_
     assert "--gamma" not in feedback_efficiency.baseline_flags(bench_settings(env_id="Ant-v5"), 1, "b")
 
 
+def test_feedback_efficiency_names_runs_by_the_env_id_without_its_module_or_slashes():
+    """Run names are folder names: an env of one's own (module:Id) is named by its id, a dm_control one without '/'."""
+    assert feedback_efficiency.run_tag("ant_without_contact_forces:AntWithoutContactForces-v5", 1, "7") == "AntWithoutContactForces-v5_1_7"
+    assert feedback_efficiency.run_tag("dm_control/walker-walk-v0", 2, "7") == "dm_control_walker-walk-v0_2_7"
+
+
 def test_feedback_efficiency_ends_no_episode_on_a_fall_on_both_sides_when_asked():
     """--no-terminate-when-unhealthy reaches SAC's run and PEBBLE's alike, and both scripts read it as the task without
     the fall's end: a comparison with one side ending on a fall would measure the termination, not the labels."""

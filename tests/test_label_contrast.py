@@ -1,0 +1,89 @@
+"""bench/label_contrast.py (what a run's labels tell apart in the control cost and the rest of the reward, and what its
+model learned of each) and bench/ant_without_contact_forces.py (Ant-v5 less its contact forces)."""
+
+import sys
+from pathlib import Path
+
+import gymnasium as gym
+import numpy as np
+import pytest
+from test_end_to_end import small_args
+
+import sac_rlhf
+from cleanrlhf_utils.feedback import read_label_file
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def bench_modules():
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        import ant_without_contact_forces
+        import label_contrast
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+    return label_contrast, ant_without_contact_forces
+
+
+def pairs(n: int, seed: int = 0) -> dict[str, np.ndarray]:
+    """Segment pairs whose true return is the rest of the reward less the control cost, as Gymnasium's MuJoCo envs pay."""
+    rng = np.random.default_rng(seed)
+    control, rest = rng.uniform(0, 20, (n, 2)), rng.normal(0, 10, (n, 2))
+    return {"control": control, "rest": rest, "true": rest - control, "steps": np.full((n, 2), 50.0)}
+
+
+def test_a_model_that_learned_only_the_rest_shows_no_control_cost_where_the_labels_do(bench_modules):
+    label_contrast, _ = bench_modules
+    x = pairs(400)
+    labels = (x["true"][:, 1] > x["true"][:, 0]).astype(np.float32)
+    shared = {"control": x["control"], "true": x["true"], "steps": x["steps"], "labels": labels}
+    blind = label_contrast.contrast_row("run", 1, model=x["rest"], **shared)
+    assert blind["label_control"] > 0.5 and blind["label_rest"] > 0.5  # both terms move the teacher's labels
+    assert abs(blind["model_control"]) < 0.15 and blind["model_rest"] == pytest.approx(1.0)
+    assert 0.5 < blind["model_agreement"] < 0.95  # it ranks by the rest alone: right only where the rest decides
+    exact = label_contrast.contrast_row("run", 1, model=x["true"], **shared)
+    assert exact["model_control"] == pytest.approx(exact["label_control"]) and exact["model_agreement"] == 1.0
+    assert exact["control_per_step"] == pytest.approx(x["control"].sum() / x["steps"].sum())
+    assert exact["d_control"] == pytest.approx(np.abs(x["control"][:, 1] - x["control"][:, 0]).mean())
+
+
+def test_ties_are_left_out_of_the_agreement(bench_modules):
+    label_contrast, _ = bench_modules
+    x = pairs(10)
+    labels = np.where(x["true"][:, 1] > x["true"][:, 0], 1.0, 0.0)
+    labels[:5] = 0.5
+    wrong_on_ties = x["true"].copy()
+    wrong_on_ties[:5, 1] = wrong_on_ties[:5, 0] + 1.0  # counted, the ties would be wrong: segment 1 preferred over a tie
+    row = label_contrast.contrast_row("run", 1, x["control"], x["true"], wrong_on_ties, x["steps"], labels)
+    assert row["model_agreement"] == 1.0 and row["pairs"] == 10
+
+
+def test_a_runs_rows_cover_its_sessions_and_read_the_envs_control_cost(bench_modules, chdir_tmp):
+    label_contrast, _ = bench_modules
+    sac_rlhf.main(small_args("source", total_timesteps=800))
+    segments, labels = read_label_file("runs/source/labels.sqlite")
+    rows = label_contrast.run_rows(Path("."), "source")
+    sessions, pooled = rows[:-1], rows[-1]
+    assert pooled["session"] == "all" and pooled["pairs"] == len(labels) == sum(row["pairs"] for row in sessions)
+    assert [row["session"] for row in sessions] == sorted({*label_contrast.label_sessions(Path("runs/source/labels.sqlite"))})
+    actions, masks = segments["obs_actions"][..., -3:], segments["masks"]  # Hopper: 3 actions, ctrl_cost_weight 1e-3
+    expected = 1e-3 * ((actions**2).sum(-1) * masks).sum() / masks.sum()
+    assert pooled["control_per_step"] == pytest.approx(expected, rel=1e-5)
+    assert 0.0 <= pooled["model_agreement"] <= 1.0
+
+
+def test_the_ant_without_contact_forces_is_ant_v5_less_those_numbers(bench_modules):
+    _, module = bench_modules
+    full, less = gym.make("Ant-v5"), gym.make(module.ENV_ID)
+    assert full.observation_space.shape == (105,) and less.observation_space.shape == (27,)
+    full_obs, _ = full.reset(seed=3)
+    less_obs, _ = less.reset(seed=3)
+    np.testing.assert_array_equal(full_obs[:27], less_obs)
+    rng = np.random.default_rng(0)
+    for _ in range(30):  # the same physics and reward (the contact cost is still charged), fewer numbers observed
+        action = rng.uniform(-1, 1, 8)
+        full_step, less_step = full.step(action), less.step(action)
+        np.testing.assert_array_equal(full_step[0][:27], less_step[0])
+        assert full_step[1] == less_step[1] and full_step[2] == less_step[2]
+    full.close(), less.close()
