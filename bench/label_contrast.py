@@ -1,0 +1,118 @@
+"""What a run's labels tell apart, and how much of it its reward model learned.
+
+A Gymnasium MuJoCo reward is a sum of terms; the one a preference run most often misses is the control cost (the env's
+ctrl_cost_weight times the sum of squared actions), which on Ant-v5 is most of the true reward. For each feedback
+session of sac_rlhf.py runs (their labels.sqlite and final checkpoint), over the pairs labelled in it:
+
+- `control_per_step`: the mean control cost of a step of the queried segments, what the agent paid then;
+- `d_control`, `d_rest`: the mean absolute difference between the pair's two segments in control cost, and in the rest
+  of the true return (forward progress, staying alive, contact cost): what there was to tell apart;
+- `label_control`, `label_rest`: the Pearson correlation of the pair's true return difference (what the synthetic
+  teacher judges by) with the difference in -control cost and in the rest: what the labels say about each term;
+- `model_control`, `model_rest`: the same for the final reward model's predicted return difference: what the model
+  learned of each term on the very pairs it was taught with; `model_agreement`: the share of the session's decided
+  labels the final model reproduces.
+
+A row `all` pools the run's sessions. Every figure is read from the files; nothing trains.
+
+    python bench/label_contrast.py --workdir bench/workdir --runs bench_pebble_Ant-v5_1_<stamp> [more runs] \\
+        --output bench/results/label_contrast/gym-mujoco/ant-norm-reset-std1-seed1.json
+
+docs/benchmarks/findings/gym-mujoco.md has what it showed."""
+
+import argparse
+import json
+import sqlite3
+from pathlib import Path
+
+import gymnasium as gym
+import numpy as np
+import torch
+from common import REPO, machine_info, print_table, write_json
+from frozen_reward import load_reward_model
+
+from cleanrlhf_utils.envs import registered_id
+from cleanrlhf_utils.errors import need
+from cleanrlhf_utils.feedback import read_label_file
+from sac_rlhf import segment_returns
+
+COLUMNS = [
+    "run", "session", "pairs", "control_per_step", "d_control", "d_rest", "label_control", "label_rest",
+    "model_control", "model_rest", "model_agreement",
+]  # fmt: skip
+
+
+def control_facts(env_id: str) -> tuple[float, int]:
+    """The env's weight of the squared actions in its reward (Gymnasium MuJoCo envs have one), and its action size."""
+    registered_id(env_id)  # a "module:id" env registers on import
+    env = gym.make(env_id)
+    weight, action_dim = getattr(env.unwrapped, "_ctrl_cost_weight", None), env.action_space.shape[0]
+    env.close()
+    need(weight is not None, f"{env_id} has no control cost weight (ctrl_cost_weight): Gymnasium MuJoCo envs only")
+    return float(weight), action_dim
+
+
+def correlation(a: np.ndarray, b: np.ndarray) -> float | None:
+    return float(np.corrcoef(a, b)[0, 1]) if len(a) > 2 and a.std() > 0 and b.std() > 0 else None
+
+
+def contrast_row(run: str, session, control, true, model, steps, labels) -> dict:
+    """One session's figures from each pair's segments, all (N, 2): control cost, true return, predicted return and
+    real (unmasked) steps; labels (N,) P(segment 1 preferred)."""
+    rest = true + control
+    d_true, d_control, d_rest, d_model = (x[:, 1] - x[:, 0] for x in (true, control, rest, model))
+    decided = labels != 0.5
+    agreement = float(((d_model > 0) == (labels > 0.5))[decided].mean()) if decided.any() else None
+    return {
+        "run": run, "session": session, "pairs": len(labels), "control_per_step": float(control.sum() / steps.sum()),
+        "d_control": float(np.abs(d_control).mean()), "d_rest": float(np.abs(d_rest).mean()),
+        "label_control": correlation(d_true, -d_control), "label_rest": correlation(d_true, d_rest),
+        "model_control": correlation(d_model, -d_control), "model_rest": correlation(d_model, d_rest),
+        "model_agreement": agreement,
+    }  # fmt: skip
+
+
+def label_sessions(path: Path) -> np.ndarray:
+    """The feedback session of each label, in read_label_file's order."""
+    db = sqlite3.connect(f"file:{path.resolve()}?mode=ro", uri=True)
+    sessions = [row[0] for row in db.execute("SELECT session FROM labels ORDER BY id")]
+    db.close()
+    return np.array(sessions)
+
+
+def run_rows(workdir: Path, run: str) -> list[dict]:
+    """A run's rows: one per feedback session, then `all`."""
+    env_id = json.loads((workdir / "runs" / run / "args.json").read_text())["env_id"]
+    label_file = workdir / "runs" / run / "labels.sqlite"
+    segments, labels = read_label_file(label_file)
+    need(len(labels) > 0, f"run {run} has no labels")
+    weight, action_dim = control_facts(env_id)
+    obs_actions, masks = segments["obs_actions"], segments["masks"].astype(np.float32)
+    control = weight * ((obs_actions[..., -action_dim:] ** 2).sum(-1) * masks).sum(-1)
+    figures = {"control": control, "true": (segments["true_rewards"] * masks).sum(-1), "steps": masks.sum(-1)}
+    model, _ = load_reward_model(str(workdir / "models" / run / "latest"), env_id, obs_actions.shape[-1])
+    figures["model"] = segment_returns(model, torch.as_tensor(obs_actions), torch.as_tensor(masks)).mean(0).numpy()
+    sessions = label_sessions(label_file)
+    rows = [
+        contrast_row(run, int(session), **{name: x[sessions == session] for name, x in figures.items()}, labels=labels[sessions == session])
+        for session in np.unique(sessions)
+    ]
+    return [*rows, contrast_row(run, "all", **figures, labels=labels)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workdir", type=Path, default=REPO / "bench" / "workdir", help="holds runs/<run> and models/<run>")
+    parser.add_argument("--runs", nargs="+", required=True, help="sac_rlhf.py runs (names under --workdir/runs)")
+    parser.add_argument("--output", type=Path, default=None, help="the JSON file to write (default: none)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    rows = [row for run in args.runs for row in run_rows(args.workdir, run)]
+    print_table(rows, COLUMNS)
+    if args.output:
+        command = "python bench/label_contrast.py --runs " + " ".join(args.runs)
+        write_json(args.output, {"benchmark": "label_contrast", "command": command, "machine": machine_info(), "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
