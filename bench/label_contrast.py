@@ -13,10 +13,11 @@ session of sac_rlhf.py runs (their labels.sqlite and final checkpoint), over the
   learned of each term on the very pairs it was taught with; `model_agreement`: the share of the session's decided
   labels the final model reproduces.
 
-A row `all` pools the run's sessions. Every figure is read from the files; nothing trains.
+The JSON's `rows` pool each run's sessions (one row a run), `sessions` has a row per session. Every figure is read
+from the files; nothing trains. A run is named in the tables as given before `=`:
 
-    python bench/label_contrast.py --workdir bench/workdir --runs bench_pebble_Ant-v5_1_<stamp> [more runs] \\
-        --output bench/results/label_contrast/gym-mujoco/ant-norm-reset-std1-seed1.json
+    python bench/label_contrast.py --workdir bench/workdir --runs no-fall-end=bench_pebble_Ant-v5_1_<stamp> [more runs] \\
+        --output bench/results/label_contrast/gym-mujoco/ant-seed1.json
 
 docs/benchmarks/findings/gym-mujoco.md has what it showed."""
 
@@ -80,8 +81,8 @@ def label_sessions(path: Path) -> np.ndarray:
     return np.array(sessions)
 
 
-def run_rows(workdir: Path, run: str) -> list[dict]:
-    """A run's rows: one per feedback session, then `all`."""
+def run_rows(workdir: Path, run: str, name: str) -> list[dict]:
+    """A run's rows, named `name` in the tables: one per feedback session, then `all`."""
     env_id = json.loads((workdir / "runs" / run / "args.json").read_text())["env_id"]
     label_file = workdir / "runs" / run / "labels.sqlite"
     segments, labels = read_label_file(label_file)
@@ -94,24 +95,36 @@ def run_rows(workdir: Path, run: str) -> list[dict]:
     figures["model"] = segment_returns(model, torch.as_tensor(obs_actions), torch.as_tensor(masks)).mean(0).numpy()
     sessions = label_sessions(label_file)
     rows = [
-        contrast_row(run, int(session), **{name: x[sessions == session] for name, x in figures.items()}, labels=labels[sessions == session])
+        contrast_row(
+            name or run, int(session), **{name: x[sessions == session] for name, x in figures.items()}, labels=labels[sessions == session]
+        )
         for session in np.unique(sessions)
     ]
-    return [*rows, contrast_row(run, "all", **figures, labels=labels)]
+    return [*rows, contrast_row(name, "all", **figures, labels=labels)]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", type=Path, default=REPO / "bench" / "workdir", help="holds runs/<run> and models/<run>")
-    parser.add_argument("--runs", nargs="+", required=True, help="sac_rlhf.py runs (names under --workdir/runs)")
+    parser.add_argument("--runs", nargs="+", required=True, help="sac_rlhf.py runs under --workdir/runs: [name=]run")
     parser.add_argument("--output", type=Path, default=None, help="the JSON file to write (default: none)")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    rows = [row for run in args.runs for row in run_rows(args.workdir, run)]
+    runs = dict(token.partition("=")[::2] if "=" in token else (token, token) for token in args.runs)  # name -> run
+    rows = [row for name, run in runs.items() for row in run_rows(args.workdir, run, name)]
     print_table(rows, COLUMNS)
     if args.output:
-        command = "python bench/label_contrast.py --runs " + " ".join(args.runs)
-        write_json(args.output, {"benchmark": "label_contrast", "command": command, "machine": machine_info(), "rows": rows})
+        write_json(
+            args.output,
+            {
+                "benchmark": "label_contrast",
+                "command": f"python bench/label_contrast.py --runs {' '.join(args.runs)} --output {args.output}",
+                "machine": machine_info(),
+                "runs": runs,
+                "rows": [row for row in rows if row["session"] == "all"],  # each run's sessions pooled
+                "sessions": [row for row in rows if row["session"] != "all"],
+            },
+        )
 
 
 if __name__ == "__main__":

@@ -63,9 +63,13 @@ def test_a_runs_rows_cover_its_sessions_and_read_the_envs_control_cost(bench_mod
     label_contrast, _ = bench_modules
     sac_rlhf.main(small_args("source", total_timesteps=800))
     segments, labels = read_label_file("runs/source/labels.sqlite")
-    rows = label_contrast.run_rows(Path("."), "source")
+    rows = label_contrast.run_rows(Path("."), "source", "tiny")
     sessions, pooled = rows[:-1], rows[-1]
-    assert pooled["session"] == "all" and pooled["pairs"] == len(labels) == sum(row["pairs"] for row in sessions)
+    assert (
+        {row["run"] for row in rows} == {"tiny"}
+        and pooled["session"] == "all"
+        and pooled["pairs"] == len(labels) == sum(row["pairs"] for row in sessions)
+    )
     assert [row["session"] for row in sessions] == sorted({*label_contrast.label_sessions(Path("runs/source/labels.sqlite"))})
     actions, masks = segments["obs_actions"][..., -3:], segments["masks"]  # Hopper: 3 actions, ctrl_cost_weight 1e-3
     expected = 1e-3 * ((actions**2).sum(-1) * masks).sum() / masks.sum()
