@@ -118,7 +118,7 @@ def main() -> None:
             args.output,
             {
                 "benchmark": "label_contrast",
-                "command": f"python bench/label_contrast.py --runs {' '.join(args.runs)} --output {args.output}",
+                "command": f"python bench/label_contrast.py --workdir {args.workdir} --runs {' '.join(args.runs)} --output {args.output}",
                 "machine": machine_info(),
                 "runs": runs,
                 "rows": [row for row in rows if row["session"] == "all"],  # each run's sessions pooled

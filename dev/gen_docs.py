@@ -540,6 +540,20 @@ MEASUREMENT_COLUMNS = {
         "return_ratio",
         "return_ratio_last3",
     ],
+    # per run (its sessions pooled) in docs/benchmarks/findings/gym-mujoco.md: what the labelled pairs differ in, and
+    # how the labels and the final reward model follow the control cost and the rest of the reward
+    "label_contrast": [
+        "run",
+        "pairs",
+        "control_per_step",
+        "d_control",
+        "d_rest",
+        "label_control",
+        "label_rest",
+        "model_control",
+        "model_rest",
+        "model_agreement",
+    ],
     "human_loop": ["env_id", "first_pair_s", "pairs_per_s", "clips_per_s", "ready10_s", "wait_s", "baseline_clips_per_s", "speedup"],
     # per seed in docs/human-feedback.md (the measurements page, whose medians have no seed column, shows them all)
     "simulated_person": [
