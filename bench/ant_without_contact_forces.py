@@ -1,11 +1,11 @@
 """Ant-v5 as Gymnasium builds it, less the 78 contact forces in its 105-number observation (Ant-v4's default, the
 27 numbers of the body's pose and velocities): an experiment on the reward model's inputs, where the contact
 forces outnumber the rest three to one and the learned reward misses the control cost that dominates the Ant's
-true reward. Both runs see the same observation. The module registers the id when imported, Gymnasium's
-"module:id" form, so the scripts need bench/ on their path (absolute: the bench starts its runs in its workdir):
+true reward. Both runs see the same observation. The module registers the id when imported (Gymnasium's
+"module:id" form); the benchmarks start their runs with bench/ on the import path:
 
-    PYTHONPATH=$PWD/bench python bench/feedback_efficiency.py --variant norm-reset-std1 --labels 500 --seeds 1 \\
-        --env-id ant_without_contact_forces:AntWithoutContactForces-v5
+    python bench/feedback_efficiency.py --variant norm-reset-std1 --labels 500 --seeds 1 \\
+        --env-id ant_without_contact_forces:AntWithoutContactForces-v5 --no-terminate-when-unhealthy
 
 docs/benchmarks/findings/gym-mujoco.md has what it did."""
 

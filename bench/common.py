@@ -139,15 +139,18 @@ def machine_info() -> dict:
 
 
 def start_script(script: str, flags: list[str], workdir: Path, threads: int = 1, log: Path | None = None) -> subprocess.Popen:
-    """Starts framework/<script> with one torch thread (two runs side by side use a 2-core machine best)."""
-    return start_process([str(FRAMEWORK / script), "--no-progress-bar", *flags], workdir, threads, log)
+    """Starts framework/<script> with one torch thread (two runs side by side use a 2-core machine best). bench/ is on
+    its import path, after the script's own folder: a run can then build an env a module here registers
+    (`--env-id ant_without_contact_forces:AntWithoutContactForces-v5`), as the benchmark itself can."""
+    return start_process([str(FRAMEWORK / script), "--no-progress-bar", *flags], workdir, threads, log, import_from=BENCH)
 
 
 def start_process(
     argv: list[str], workdir: Path, threads: int = 1, log: Path | None = None, import_from: Path | None = None
 ) -> subprocess.Popen:
-    """Starts `python argv...` in workdir with `threads` intra-op threads, headless, W&B offline. `import_from`: a
-    checkout's framework/ whose modules the process imports instead of the installed ones (another commit's)."""
+    """Starts `python argv...` in workdir with `threads` intra-op threads, headless, W&B offline. `import_from`: a folder
+    the process imports from before the installed packages: another checkout's framework/ (another commit's modules
+    instead of the installed ones), or bench/ (its own modules)."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "MUJOCO_GL": os.environ.get("MUJOCO_GL", "egl")}
     env.setdefault("WANDB_MODE", "offline")
     if import_from is not None:

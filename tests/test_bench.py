@@ -254,6 +254,24 @@ def test_feedback_efficiency_names_runs_by_the_env_id_without_its_module_or_slas
     assert feedback_efficiency.run_tag("dm_control/walker-walk-v0", 2, "7") == "dm_control_walker-walk-v0_2_7"
 
 
+def test_a_benchmarks_runs_can_build_an_env_a_bench_module_registers(tmp_path):
+    """--env-id ant_without_contact_forces:AntWithoutContactForces-v5: the runs start in the bench's workdir, and import
+    the module that registers the env from bench/ as the benchmark itself does."""
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        from common import start_script
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+    script = tmp_path / "observe.py"
+    script.write_text(
+        "import gymnasium as gym\nfrom cleanrlhf_utils.envs import registered_id\n"
+        "print(gym.make(registered_id('ant_without_contact_forces:AntWithoutContactForces-v5')).observation_space.shape)\n"
+    )
+    log = tmp_path / "run.log"
+    assert start_script(str(script), [], tmp_path / "workdir", log=log).wait(timeout=120) == 0, log.read_text()
+    assert log.read_text().strip() == "(27,)"
+
+
 def test_feedback_efficiency_ends_no_episode_on_a_fall_on_both_sides_when_asked():
     """--no-terminate-when-unhealthy reaches SAC's run and PEBBLE's alike, and both scripts read it as the task without
     the fall's end: a comparison with one side ending on a fall would measure the termination, not the labels."""
