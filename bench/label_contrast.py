@@ -29,7 +29,7 @@ from pathlib import Path
 import gymnasium as gym
 import numpy as np
 import torch
-from common import REPO, machine_info, print_table, write_json
+from common import REPO, machine_info, print_table, results_path, task_name, write_json
 from frozen_reward import load_reward_model
 
 from cleanrlhf_utils.envs import registered_id
@@ -107,24 +107,27 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", type=Path, default=REPO / "bench" / "workdir", help="holds runs/<run> and models/<run>")
     parser.add_argument("--runs", nargs="+", required=True, help="sac_rlhf.py runs under --workdir/runs: [name=]run")
-    parser.add_argument("--output", type=Path, default=None, help="the JSON file to write (default: none)")
+    parser.add_argument(
+        "--output", type=Path, default=None, help="the JSON file (default: label_contrast/gym-mujoco/<task>-label-contrast.json)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     runs = dict(token.partition("=")[::2] if "=" in token else (token, token) for token in args.runs)  # name -> run
     rows = [row for name, run in runs.items() for row in run_rows(args.workdir, run, name)]
     print_table(rows, COLUMNS)
-    if args.output:
-        write_json(
-            args.output,
-            {
-                "benchmark": "label_contrast",
-                "command": f"python bench/label_contrast.py --workdir {args.workdir} --runs {' '.join(args.runs)} --output {args.output}",
-                "machine": machine_info(),
-                "runs": runs,
-                "rows": [row for row in rows if row["session"] == "all"],  # each run's sessions pooled
-                "sessions": [row for row in rows if row["session"] != "all"],
-            },
-        )
+    first_env = json.loads((args.workdir / "runs" / next(iter(runs.values())) / "args.json").read_text())["env_id"]
+    args.output = args.output or results_path("label_contrast", "gym-mujoco", f"{task_name(first_env)}-label-contrast")
+    write_json(
+        args.output,
+        {
+            "benchmark": "label_contrast",
+            "command": f"python bench/label_contrast.py --workdir {args.workdir} --runs {' '.join(args.runs)} --output {args.output}",
+            "machine": machine_info(),
+            "runs": runs,
+            "rows": [row for row in rows if row["session"] == "all"],  # each run's sessions pooled
+            "sessions": [row for row in rows if row["session"] != "all"],
+        },
+    )
 
 
 if __name__ == "__main__":
