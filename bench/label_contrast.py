@@ -17,7 +17,7 @@ The JSON's `rows` pool each run's sessions (one row a run), `sessions` has a row
 from the files; nothing trains. A run is named in the tables as given before `=`:
 
     python bench/label_contrast.py --workdir bench/workdir --runs no-fall-end=bench_pebble_Ant-v5_1_<stamp> [more runs] \\
-        --output bench/results/label_contrast/gym-mujoco/ant-seed1.json
+        --output bench/results/label_contrast/gym-mujoco/ant-label-contrast-seed1.json
 
 docs/benchmarks/findings/gym-mujoco.md has what it showed."""
 
@@ -32,7 +32,6 @@ import torch
 from common import REPO, machine_info, print_table, results_path, task_name, write_json
 from frozen_reward import load_reward_model
 
-from cleanrlhf_utils.envs import registered_id
 from cleanrlhf_utils.errors import need
 from cleanrlhf_utils.feedback import read_label_file
 from sac_rlhf import segment_returns
@@ -45,8 +44,7 @@ COLUMNS = [
 
 def control_facts(env_id: str) -> tuple[float, int]:
     """The env's weight of the squared actions in its reward (Gymnasium MuJoCo envs have one), and its action size."""
-    registered_id(env_id)  # a "module:id" env registers on import
-    env = gym.make(env_id)
+    env = gym.make(env_id)  # a "module:Id" env: gym.make imports the module that registers it
     weight, action_dim = getattr(env.unwrapped, "_ctrl_cost_weight", None), env.action_space.shape[0]
     env.close()
     need(weight is not None, f"{env_id} has no control cost weight (ctrl_cost_weight): Gymnasium MuJoCo envs only")
@@ -95,9 +93,7 @@ def run_rows(workdir: Path, run: str, name: str) -> list[dict]:
     figures["model"] = segment_returns(model, torch.as_tensor(obs_actions), torch.as_tensor(masks)).mean(0).numpy()
     sessions = label_sessions(label_file)
     rows = [
-        contrast_row(
-            name or run, int(session), **{name: x[sessions == session] for name, x in figures.items()}, labels=labels[sessions == session]
-        )
+        contrast_row(name, int(session), **{key: x[sessions == session] for key, x in figures.items()}, labels=labels[sessions == session])
         for session in np.unique(sessions)
     ]
     return [*rows, contrast_row(name, "all", **figures, labels=labels)]

@@ -90,4 +90,5 @@ def test_the_ant_without_contact_forces_is_ant_v5_less_those_numbers(bench_modul
         full_step, less_step = full.step(action), less.step(action)
         np.testing.assert_array_equal(full_step[0][:27], less_step[0])
         assert full_step[1] == less_step[1] and full_step[2] == less_step[2]
-    full.close(), less.close()
+    full.close()
+    less.close()
