@@ -120,6 +120,16 @@ VARIANTS = {
     "norm": ["--reward-net-normalize-inputs"],
     "norm-reset": ["--reward-net-normalize-inputs", "--reset-actor-after-exploration"],
     "norm-reset-std1": ["--reward-net-normalize-inputs", "--reset-actor-after-exploration", "--learned-reward-std", "1"],
+    # and the budget spread evenly over the sessions, so that the last ones, on the agent's later states, are as large
+    # as the first (the Ant's late exponential sessions bring 15-23 labels; --sessions sets how far into the run)
+    "norm-reset-std1-linear": [
+        "--reward-net-normalize-inputs",
+        "--reset-actor-after-exploration",
+        "--learned-reward-std",
+        "1",
+        "--teacher-feedback-schedule",
+        "linear",
+    ],
     # and the learned reward shifted to be >= 0, so that staying in an episode pays where a fall ends it (the Ant
     # flipped): bench/nonnegative_reward.py, VARIANT_SCRIPTS
     "norm-reset-std1-nonneg": ["--reward-net-normalize-inputs", "--reset-actor-after-exploration", "--learned-reward-std", "1"],

@@ -41,8 +41,9 @@ OLD_FLAGS = {
     "--teacher-feedback-num-queries-per-session 20 --teacher-feedback-frequency 5000 --teacher-feedback-schedule exponential "
     "--preference-sampling disagree --segment-length 50",
     "Swimmer-v5.sh": "--env-id Swimmer-v5 --total-timesteps 1000000 --gamma 0.9999 --total-explore-steps 10000 "
-    "--teacher-feedback-total-queries 200 --teacher-feedback-num-queries-per-session 20 --teacher-feedback-frequency 5000 "
-    "--teacher-feedback-schedule exponential --preference-sampling disagree --segment-length 50 --surf",
+    "--teacher-feedback-total-queries 500 --teacher-feedback-num-queries-per-session 50 --teacher-feedback-frequency 5000 "
+    "--teacher-feedback-schedule exponential --preference-sampling disagree --segment-length 50 --surf "
+    "--reward-net-normalize-inputs --reset-actor-after-exploration --learned-reward-std 1",
     "Walker2d-v5.sh": "--env-id Walker2d-v5 --total-timesteps 1000000 --total-explore-steps 10000 --teacher-feedback-total-queries 500 "
     "--teacher-feedback-num-queries-per-session 50 --teacher-feedback-frequency 9000 --teacher-feedback-schedule exponential "
     "--preference-sampling disagree --segment-length 50 --surf --reward-net-normalize-inputs --reset-actor-after-exploration "
