@@ -32,6 +32,9 @@ hops) and the trainer has no objective:
     python bench/simulated_person.py --env-id Hopper-v5 --objective env --modes async --steps 100000 \
         --explore-steps 10000 --feedback-frequency 5000 --pairs-per-session 20 --clips-per-query 2 3 --labels 200 100
 
+Runs that long finish over several invocations with --keep-finished: the rows --output holds from the same settings
+stay, and only the runs it lacks start (one seed an invocation, say).
+
 Reported per run and as medians per mode:
   first_pair_s          seconds from the trainer's launch to the first pair on screen (exploration steps included)
   labels_per_min        answers per minute of labelling time (first pair on screen to the last answer)
@@ -376,6 +379,11 @@ def main() -> None:
         help="the trainer's label-noise defence: the variant of PEBBLE it runs",
     )
     parser.add_argument("--preference-flags", default="", help="more flags for the trainer, one string (e.g. --rime-flip-tau 0.01)")
+    parser.add_argument(
+        "--keep-finished", action="store_true",
+        help="keep the rows --output already holds from a run of the same settings (other seeds allowed) and run only the "
+        "runs it lacks: a benchmark of many long runs finishes over several invocations",
+    )  # fmt: skip
     parser.add_argument("--workdir", type=Path, default=REPO / "bench" / "workdir" / "simulated_person")
     parser.add_argument("--output", type=Path, default=results_path("simulated_person", "human-loop", "windmill-person"))
     args = parser.parse_args()
@@ -400,21 +408,48 @@ def main() -> None:
 
     output = args.output if args.output.is_absolute() else Path.cwd() / args.output
     settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-    rows = []
+    rows = finished_rows(output, settings) if args.keep_finished else []
+    seeds = sorted({*args.seeds, *(r["seed"] for r in rows)})
+    settings["seeds"] = seeds  # what the rows cover, kept ones included
     for seed in args.seeds:
         for mode, (clips, scale) in itertools.product(args.modes, kinds):
             kind = {"pair": "pairs", "ranking": f"rankings of {clips} clips", "rating": f"ratings of {clips} clips on {scale} points"}
+            if any(row_key(r) == (mode, clips, scale, seed) for r in rows):
+                print(f"{mode} run, seed {seed}, {kind[query_kind(clips, scale)]}: kept from {output}")
+                continue
             print(f"{mode} run, seed {seed}: {args.steps} steps, {budgets[clips, scale]} {kind[query_kind(clips, scale)]} through the page")
             rows.append(one_run(args, seed, mode == "async", clips, scale, budgets[clips, scale]))
             print_table(rows[-1:], COLUMNS)
             # after every run, so a stopped benchmark keeps the runs it finished ("complete": false until the last)
             result = {"benchmark": "simulated_person", "command": shlex.join(["python", "bench/simulated_person.py", *sys.argv[1:]])}
-            result["complete"] = len(rows) == len(args.seeds) * len(args.modes) * len(kinds)
+            result["complete"] = len(rows) == len(seeds) * len(args.modes) * len(kinds)
             machine = machine_info() | {"load_average": list(os.getloadavg())}
             write_json(output, result | {"machine": machine, "settings": settings, "rows": rows, "medians": medians_per_kind(rows)})
     print_table(rows, COLUMNS)
     print("medians:")
     print_table(medians_per_kind(rows), ["mode", "clips", "rating_scale", "seeds", *COLUMNS[4:]])
+
+
+# Settings that say which runs an invocation starts or where it writes, not how a run goes: --keep-finished compares
+# the others with the kept file's.
+PER_INVOCATION = ("seeds", "keep_finished", "workdir", "output")
+
+
+def row_key(row: dict) -> tuple:
+    return row["mode"], row["clips"], row.get("rating_scale", 0), row["seed"]
+
+
+def finished_rows(output: Path, settings: dict) -> list[dict]:
+    """--keep-finished: the rows an earlier invocation wrote to output, if it ran with these settings (seeds aside)."""
+    if not output.exists():
+        return []
+    earlier = json.loads(output.read_text())
+    other = {k: v for k, v in earlier["settings"].items() if k not in PER_INVOCATION}
+    differ = sorted(k for k in {*other, *settings} - set(PER_INVOCATION) if other.get(k) != settings.get(k))
+    if differ:
+        shown = ", ".join(f"--{k.replace('_', '-')} {other.get(k)!r} there, {settings.get(k)!r} here" for k in differ)
+        raise SystemExit(f"--keep-finished: {output} holds runs of other settings ({shown}); name another --output")
+    return earlier["rows"]
 
 
 def medians_per_kind(rows: list[dict]) -> list[dict]:

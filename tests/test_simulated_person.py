@@ -59,6 +59,19 @@ def test_a_person_on_the_page_gives_the_run_labels_that_prefer_what_they_want(tm
     logged = np.array([[p["left_objective_return"], p["right_objective_return"]] for p in sorted(shown, key=lambda p: p["query_id"])])
     np.testing.assert_allclose(logged, returns, rtol=1e-6, atol=1e-9)
 
+    # --keep-finished: the same benchmark again keeps the finished run and starts none; other settings are refused with
+    # the setting named, and the file stays as it was.
+    written = (tmp_path / "out.json").read_text()
+    again = subprocess.run([*command, "--keep-finished"], capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "kept from" in again.stdout and (tmp_path / "out.json").read_text() == written
+    assert [p.name for p in (tmp_path / "work" / "runs").iterdir()] == [row["run_name"]]
+    other = [*command, "--keep-finished"]
+    other[other.index("--labels") + 1] = "7"
+    refused = subprocess.run(other, capture_output=True, text=True, timeout=120)
+    assert refused.returncode != 0 and "--labels [6] there, [7] here" in refused.stderr
+    assert (tmp_path / "out.json").read_text() == written
+
 
 def simulated_person():
     sys.path.insert(0, str(REPO / "bench"))
