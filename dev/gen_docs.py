@@ -554,6 +554,20 @@ MEASUREMENT_COLUMNS = {
         "model_rest",
         "model_agreement",
     ],
+    # per policy in docs/benchmarks/findings/gym-mujoco.md: what a run's final reward model pays on each policy's episodes
+    "reward_on_policies": [
+        "policy",
+        "steps",
+        "true_return",
+        "learned_return",
+        "disagreement",
+        "ranked_as_true",
+        "learned_vs_true",
+        "forward_per_step",
+        "ctrl_per_step",
+        "learned_vs_forward",
+        "learned_vs_ctrl",
+    ],
     "human_loop": ["env_id", "first_pair_s", "pairs_per_s", "clips_per_s", "ready10_s", "wait_s", "baseline_clips_per_s", "speedup"],
     # per seed in docs/human-feedback.md (the measurements page, whose medians have no seed column, shows them all)
     "simulated_person": [

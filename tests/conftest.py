@@ -67,6 +67,9 @@ SLOW = {
     "test_newcomer.py::test_pref_ppo_wall_seconds_after_resume_count_the_whole_run": "a run, interrupted and resumed",
     "test_newcomer.py::test_the_script_applies_human_defaults_from_its_command_line": "a human-mode run",
     "test_custom_env.py::test_zero_reward_windmill_learns_its_direction_from_labels_alone": "PEBBLE learns the windmill",
+    "test_reward_on_policies.py::test_a_real_runs_model_is_read_on_its_policys_episodes_with_the_runs_end_of_an_episode": (
+        "a PEBBLE run, its policy played for two 1000-step episodes"
+    ),
     "test_rankings.py::test_a_run_learns_from_rankings_and_logs_them_for_file_mode": "a run of each script, and its replay",
     "test_ratings.py::test_a_run_learns_from_ratings_and_logs_them_for_file_mode": "a run of each script, and its replay",
     "test_feedback_reorder.py::test_human_mode_learns_a_persons_reorders_of_the_check_as_the_pairs_they_decide": "a human-mode run",
