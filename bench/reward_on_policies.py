@@ -18,7 +18,8 @@ run had it), and per policy reports:
 - `learned_vs_<term>`: the Pearson correlation of the model's per-step reward with that term within the policy's
   episodes (and `learned_vs_true` with the whole reward): which term the model follows on these states.
 
-Nothing trains; the checkpoints are read from --workdir/models/<run>/latest (sac.py or sac_rlhf.py runs):
+Nothing trains; the checkpoints are read from --workdir/models/<run>/latest (sac.py or sac_rlhf.py runs). A policy
+given as `zero-actions` instead of a run does nothing (every action 0): what standing still earns on both rewards.
 
     python bench/reward_on_policies.py --workdir bench/workdir --reward-from bench_pebble_Ant-v5_1_<stamp> \\
         --policies pebble=bench_pebble_Ant-v5_1_<stamp> sac=bench_sac_Ant-v5_1_<stamp> \\
@@ -39,6 +40,20 @@ from frozen_reward import load_reward_model
 from cleanrlhf_utils.envs import make_env
 from evaluation import load_actor
 from sac_rlhf import predict_rewards
+
+ZERO_ACTIONS = "zero-actions"
+
+
+class ZeroActions(torch.nn.Module):
+    """The policy that does nothing: every action 0 (the middle of a symmetric box, Gymnasium MuJoCo's)."""
+
+    def __init__(self, action_dim: int):
+        super().__init__()
+        self.action_dim = action_dim
+
+    def deterministic_action(self, obs: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(obs.shape[0], self.action_dim)
+
 
 # The terms of Gymnasium MuJoCo's rewards that its envs report in `info`, as they pay them (the costs negative).
 TERMS = ("forward", "ctrl", "survive", "contact")
@@ -108,7 +123,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", type=Path, default=REPO / "bench" / "workdir", help="holds runs/<run> and models/<run>")
     parser.add_argument("--reward-from", required=True, help="the sac_rlhf.py run whose final reward model is read")
-    parser.add_argument("--policies", nargs="+", required=True, help="runs whose final actors play: [name=]run")
+    parser.add_argument("--policies", nargs="+", required=True, help=f"runs whose final actors play: [name=]run, or [name=]{ZERO_ACTIONS}")
     parser.add_argument("--episodes", type=int, default=3, help="episodes per policy")
     parser.add_argument("--seed", type=int, default=100, help="the first episode's seed (the next ones count up)")
     parser.add_argument(
@@ -121,13 +136,14 @@ def main() -> None:
     settings = json.loads((args.workdir / "runs" / args.reward_from / "args.json").read_text())
     env_id, ends = settings["env_id"], settings.get("terminate_when_unhealthy", True)
     probe = make_env(env_id, 0)()
-    input_dim = int(np.prod(probe.observation_space.shape) + np.prod(probe.action_space.shape))
+    action_dim = int(np.prod(probe.action_space.shape))
+    input_dim = int(np.prod(probe.observation_space.shape)) + action_dim
     probe.close()
     model, _ = load_reward_model(str(args.workdir / "models" / args.reward_from / "latest"), env_id, input_dim)
     policies = dict(token.partition("=")[::2] if "=" in token else (token, token) for token in args.policies)  # name -> run
     played, predicted = {}, {}
     for name, run in policies.items():
-        actor, _ = load_actor(args.workdir / "models" / run / "latest", env_id)
+        actor = ZeroActions(action_dim) if run == ZERO_ACTIONS else load_actor(args.workdir / "models" / run / "latest", env_id)[0]
         played[name] = rollouts(actor, env_id, args.episodes, args.seed, ends)
         predicted[name] = [[x.numpy() for x in predict_rewards(model, torch.as_tensor(e["rows"]))] for e in played[name]]
     scale = float(np.concatenate([mean for episodes in predicted.values() for mean, _ in episodes]).std())

@@ -59,12 +59,12 @@ def test_a_real_runs_model_is_read_on_its_policys_episodes_with_the_runs_end_of_
     output = chdir_tmp / "out.json"
     command = [
         sys.executable, str(REPO / "bench" / "reward_on_policies.py"), "--workdir", str(chdir_tmp), "--reward-from", "source",
-        "--policies", "own=source", "--episodes", "2", "--output", str(output),
+        "--policies", "own=source", "still=zero-actions", "--episodes", "2", "--output", str(output),
     ]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads(output.read_text())
-    (row,) = result["rows"]
+    row, still = result["rows"]
     # The run had no end on a fall, so neither do its episodes here: Hopper-v5's 1000 steps each.
     assert row["policy"] == "own" and row["episodes"] == 2 and row["steps"] == 1000
     assert result["settings"]["terminate_when_unhealthy"] is False
@@ -72,5 +72,8 @@ def test_a_real_runs_model_is_read_on_its_policys_episodes_with_the_runs_end_of_
     per_step = row["forward_per_step"] + row["ctrl_per_step"] + row["survive_per_step"]
     assert per_step * row["steps"] == pytest.approx(row["true_return"], rel=1e-6)
     assert row["ctrl_per_step"] < 0 and row["contact_per_step"] is None
-    assert row["ranked_as_true"] is None  # one policy: nothing to order
+    # Doing nothing pays no control cost and stands for the whole episode; the two policies are ordered once.
+    assert still["policy"] == "still" and still["ctrl_per_step"] == 0.0 and still["steps"] == 1000
+    expected = 1.0 if (row["true_return"] > still["true_return"]) == (row["learned_return"] > still["learned_return"]) else 0.0
+    assert row["ranked_as_true"] == still["ranked_as_true"] == expected
     assert "--reward-from source" in result["command"]
