@@ -33,7 +33,9 @@ hops) and the trainer has no objective:
         --explore-steps 10000 --feedback-frequency 5000 --pairs-per-session 20 --clips-per-query 2 3 --labels 200 100
 
 Runs that long finish over several invocations with --keep-finished: the rows --output holds from the same settings
-stay, and only the runs it lacks start (one seed an invocation, say).
+stay, and only the runs it lacks start (one seed an invocation, say). --parallel 2 runs two at once, each trainer with
+its own person and browser in a process of its own; their timing columns (labels_per_min, waits, first_pair_s) then
+share the machine's cores, while the person's minutes are the person's drawn delays and the clips' lengths.
 
 Reported per run and as medians per mode:
   first_pair_s          seconds from the trainer's launch to the first pair on screen (exploration steps included)
@@ -61,12 +63,14 @@ import argparse
 import itertools
 import json
 import math
+import multiprocessing
 import random
 import secrets
 import shlex
 import statistics
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 import numpy as np
@@ -384,11 +388,14 @@ def main() -> None:
         help="keep the rows --output already holds from a run of the same settings (other seeds allowed) and run only the "
         "runs it lacks: a benchmark of many long runs finishes over several invocations",
     )  # fmt: skip
+    parser.add_argument("--parallel", type=int, default=1, help="runs at once, each with its own person and browser")
     parser.add_argument("--workdir", type=Path, default=REPO / "bench" / "workdir" / "simulated_person")
     parser.add_argument("--output", type=Path, default=results_path("simulated_person", "human-loop", "windmill-person"))
     args = parser.parse_args()
     if not Path(CHROMIUM).exists():
         raise SystemExit(f"{CHROMIUM} is missing: bash dev/install_test_deps.sh installs it")
+    if args.parallel < 1:
+        parser.error(f"--parallel {args.parallel}: at least 1")
     if not 0 <= args.answer_delay[0] <= args.answer_delay[1]:
         parser.error(f"--answer-delay {args.answer_delay[0]:g} {args.answer_delay[1]:g}: need 0 <= MIN <= MAX")
     wrong = [k for k in args.clips_per_query if not 2 <= k <= MAX_CLIPS]
@@ -411,18 +418,26 @@ def main() -> None:
     rows = finished_rows(output, settings) if args.keep_finished else []
     seeds = sorted({*args.seeds, *(r["seed"] for r in rows)})
     settings["seeds"] = seeds  # what the rows cover, kept ones included
-    for seed in args.seeds:
-        for mode, (clips, scale) in itertools.product(args.modes, kinds):
+    plan = [(mode, clips, scale, seed) for seed in seeds for mode, (clips, scale) in itertools.product(args.modes, kinds)]
+    # spawned, not forked: each run's process sets its own token in its environment and drives its own browser
+    with ProcessPoolExecutor(args.parallel, mp_context=multiprocessing.get_context("spawn")) as pool:
+        started = {}
+        for mode, clips, scale, seed in plan:
             kind = {"pair": "pairs", "ranking": f"rankings of {clips} clips", "rating": f"ratings of {clips} clips on {scale} points"}
             if any(row_key(r) == (mode, clips, scale, seed) for r in rows):
                 print(f"{mode} run, seed {seed}, {kind[query_kind(clips, scale)]}: kept from {output}")
-                continue
-            print(f"{mode} run, seed {seed}: {args.steps} steps, {budgets[clips, scale]} {kind[query_kind(clips, scale)]} through the page")
-            rows.append(one_run(args, seed, mode == "async", clips, scale, budgets[clips, scale]))
-            print_table(rows[-1:], COLUMNS)
+            elif seed in args.seeds:
+                print(
+                    f"{mode} run, seed {seed}: {args.steps} steps, {budgets[clips, scale]} {kind[query_kind(clips, scale)]} through the page"
+                )
+                started[pool.submit(one_run, args, seed, mode == "async", clips, scale, budgets[clips, scale])] = mode, clips, scale, seed
+        for done in as_completed(started):
+            rows.append(done.result())
+            rows.sort(key=lambda row: plan.index(row_key(row)))
+            print_table([row for row in rows if row_key(row) == started[done]], COLUMNS)
             # after every run, so a stopped benchmark keeps the runs it finished ("complete": false until the last)
             result = {"benchmark": "simulated_person", "command": shlex.join(["python", "bench/simulated_person.py", *sys.argv[1:]])}
-            result["complete"] = len(rows) == len(seeds) * len(args.modes) * len(kinds)
+            result["complete"] = len(rows) == len(plan)
             machine = machine_info() | {"load_average": list(os.getloadavg())}
             write_json(output, result | {"machine": machine, "settings": settings, "rows": rows, "medians": medians_per_kind(rows)})
     print_table(rows, COLUMNS)

@@ -104,7 +104,8 @@ def test_the_person_ranks_and_rates_by_the_objective_and_thinks_once_per_judgeme
 
 
 def test_a_person_ranks_and_rates_clips_on_the_page_and_each_run_learns_the_answers_given(tmp_path):
-    """One invocation, two runs: rankings of three clips, then ratings of two on a scale of four."""
+    """One invocation, two runs at once (--parallel 2, each with its own browser and token): rankings of three clips,
+    and ratings of two on a scale of four; the rows come in the order the runs were planned."""
     from cleanrlhf_utils.rankings import order_labels
     from cleanrlhf_utils.ratings import rating_labels
 
@@ -114,6 +115,7 @@ def test_a_person_ranks_and_rates_clips_on_the_page_and_each_run_learns_the_answ
         "--clips-per-query", "3", "2", "--rating-scales", "0", "4", "--pairs-per-session", "3", "--feedback-frequency", "300",
         "--evaluation-frequency", "700", "--answer-delay", "0.1", "0.2", "--person-eps-mistake", "0",
         f"--preference-flags={SMALL_NETWORKS}", "--workdir", str(tmp_path / "work"), "--output", str(tmp_path / "out.json"),
+        "--parallel", "2",
     ]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -125,6 +127,9 @@ def test_a_person_ranks_and_rates_clips_on_the_page_and_each_run_learns_the_answ
         # rated: two delays of >= 0.1 s either way
         assert all(a["answered_s"] - a["shown_s"] >= a["clip_seconds"] + 0.2 for a in row["answers"])
     assert ranked["person_minutes"] == pytest.approx(sum(a["answered_s"] - a["shown_s"] for a in ranked["answers"]) / 60)
+    # at once: the second run started (its name's stamp) before the first one's trainer was done
+    started = [int(row["run_name"].rsplit("_", 1)[1]) for row in (ranked, rated)]
+    assert abs(started[0] - started[1]) < min(ranked["wall_s"], rated["wall_s"])
 
     # each ranking the run keeps is the order the objective gives the three stored segments
     run_dir = tmp_path / "work" / "runs" / ranked["run_name"]
