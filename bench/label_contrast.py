@@ -29,7 +29,7 @@ from pathlib import Path
 import gymnasium as gym
 import numpy as np
 import torch
-from common import REPO, machine_info, print_table, results_path, task_name, write_json
+from common import REPO, finished_run, machine_info, print_table, results_path, task_name, write_json
 from frozen_reward import load_reward_model
 
 from cleanrlhf_utils.errors import need
@@ -81,7 +81,7 @@ def label_sessions(path: Path) -> np.ndarray:
 
 def run_rows(workdir: Path, run: str, name: str) -> list[dict]:
     """A run's rows, named `name` in the tables: one per feedback session, then `all`."""
-    env_id = json.loads((workdir / "runs" / run / "args.json").read_text())["env_id"]
+    env_id = finished_run(workdir, run, "--runs", files=("labels.sqlite",))["env_id"]
     label_file = workdir / "runs" / run / "labels.sqlite"
     segments, labels = read_label_file(label_file)
     need(len(labels) > 0, f"run {run} has no labels")

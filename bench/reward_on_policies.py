@@ -29,12 +29,11 @@ docs/benchmarks/findings/gym-mujoco.md has what it showed."""
 
 import argparse
 import itertools
-import json
 from pathlib import Path
 
 import numpy as np
 import torch
-from common import REPO, machine_info, print_table, results_path, task_name, write_json
+from common import REPO, finished_run, machine_info, print_table, results_path, task_name, write_json
 from frozen_reward import load_reward_model
 
 from cleanrlhf_utils.envs import make_env
@@ -133,7 +132,7 @@ def main() -> None:
     if args.episodes < 1:
         parser.error(f"--episodes {args.episodes}: at least 1")
     torch.set_num_threads(1)
-    settings = json.loads((args.workdir / "runs" / args.reward_from / "args.json").read_text())
+    settings = finished_run(args.workdir, args.reward_from, "--reward-from")
     env_id, ends = settings["env_id"], settings.get("terminate_when_unhealthy", True)
     probe = make_env(env_id, 0)()
     action_dim = int(np.prod(probe.action_space.shape))
@@ -141,6 +140,8 @@ def main() -> None:
     probe.close()
     model, _ = load_reward_model(str(args.workdir / "models" / args.reward_from / "latest"), env_id, input_dim)
     policies = dict(token.partition("=")[::2] if "=" in token else (token, token) for token in args.policies)  # name -> run
+    for run in set(policies.values()) - {ZERO_ACTIONS}:
+        finished_run(args.workdir, run, "--policies")
     played, predicted = {}, {}
     for name, run in policies.items():
         actor = ZeroActions(action_dim) if run == ZERO_ACTIONS else load_actor(args.workdir / "models" / run / "latest", env_id)[0]

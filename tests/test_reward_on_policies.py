@@ -77,3 +77,10 @@ def test_a_real_runs_model_is_read_on_its_policys_episodes_with_the_runs_end_of_
     expected = 1.0 if (row["true_return"] > still["true_return"]) == (row["learned_return"] > still["learned_return"]) else 0.0
     assert row["ranked_as_true"] == still["ranked_as_true"] == expected
     assert "--reward-from source" in result["command"]
+
+    # A policy that is no finished run under the workdir is refused in one line naming it; nothing is written.
+    refused = subprocess.run([*command[:-1], str(chdir_tmp / "again.json"), "--policies", "gone=nope"], capture_output=True, text=True)
+    assert refused.returncode != 0 and refused.stderr.strip().splitlines() == [
+        f"--policies nope: {chdir_tmp / 'runs' / 'nope' / 'args.json'} is missing (a finished run under --workdir {chdir_tmp} has it)"
+    ]
+    assert not (chdir_tmp / "again.json").exists()
