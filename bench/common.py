@@ -232,7 +232,11 @@ def read_summary(workdir: Path, run_name: str) -> dict:
 def finished_run(workdir: Path, run_name: str, flag: str, files: tuple[str, ...] = ()) -> dict:
     """The settings (args.json) of a run under workdir that the analyses read from its files: its final checkpoint
     (models/<run>/latest) and `files` under runs/<run>; refused in one line, naming the flag, where one is missing."""
-    needed = [workdir / "runs" / run_name / "args.json", workdir / "models" / run_name / "latest", *(workdir / "runs" / run_name / f for f in files)]
+    needed = [
+        workdir / "runs" / run_name / "args.json",
+        workdir / "models" / run_name / "latest",
+        *(workdir / "runs" / run_name / f for f in files),
+    ]
     missing = [path for path in needed if not path.exists()]
     if missing:
         raise SystemExit(f"{flag} {run_name}: {missing[0]} is missing (a finished run under --workdir {workdir} has it)")
