@@ -67,10 +67,11 @@ import multiprocessing
 import random
 import secrets
 import shlex
+import signal
 import statistics
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from pathlib import Path
 
 import numpy as np
@@ -413,36 +414,57 @@ def main() -> None:
         parser.error(f"--clips-per-query and --rating-scales name a kind of query twice: {kinds}")
     budgets = dict(zip(kinds, args.labels * len(kinds) if len(args.labels) == 1 else args.labels))
 
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill` stops the benchmark as Ctrl-C does, runs and all
     output = args.output if args.output.is_absolute() else Path.cwd() / args.output
     settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     rows = finished_rows(output, settings) if args.keep_finished else []
     seeds = sorted({*args.seeds, *(r["seed"] for r in rows)})
     settings["seeds"] = seeds  # what the rows cover, kept ones included
     plan = [(mode, clips, scale, seed) for seed in seeds for mode, (clips, scale) in itertools.product(args.modes, kinds)]
-    # spawned, not forked: each run's process sets its own token in its environment and drives its own browser
-    with ProcessPoolExecutor(args.parallel, mp_context=multiprocessing.get_context("spawn")) as pool:
-        started = {}
-        for mode, clips, scale, seed in plan:
-            kind = {"pair": "pairs", "ranking": f"rankings of {clips} clips", "rating": f"ratings of {clips} clips on {scale} points"}
-            if any(row_key(r) == (mode, clips, scale, seed) for r in rows):
-                print(f"{mode} run, seed {seed}, {kind[query_kind(clips, scale)]}: kept from {output}")
-            elif seed in args.seeds:
-                print(
-                    f"{mode} run, seed {seed}: {args.steps} steps, {budgets[clips, scale]} {kind[query_kind(clips, scale)]} through the page"
-                )
-                started[pool.submit(one_run, args, seed, mode == "async", clips, scale, budgets[clips, scale])] = mode, clips, scale, seed
-        for done in as_completed(started):
-            rows.append(done.result())
-            rows.sort(key=lambda row: plan.index(row_key(row)))
-            print_table([row for row in rows if row_key(row) == started[done]], COLUMNS)
-            # after every run, so a stopped benchmark keeps the runs it finished ("complete": false until the last)
-            result = {"benchmark": "simulated_person", "command": shlex.join(["python", "bench/simulated_person.py", *sys.argv[1:]])}
-            result["complete"] = len(rows) == len(plan)
-            machine = machine_info() | {"load_average": list(os.getloadavg())}
-            write_json(output, result | {"machine": machine, "settings": settings, "rows": rows, "medians": medians_per_kind(rows)})
+    todo = []
+    for mode, clips, scale, seed in plan:
+        kind = {"pair": "pairs", "ranking": f"rankings of {clips} clips", "rating": f"ratings of {clips} clips on {scale} points"}
+        if any(row_key(r) == (mode, clips, scale, seed) for r in rows):
+            print(f"{mode} run, seed {seed}, {kind[query_kind(clips, scale)]}: kept from {output}")
+        elif seed in args.seeds:
+            print(f"{mode} run, seed {seed}: {args.steps} steps, {budgets[clips, scale]} {kind[query_kind(clips, scale)]} through the page")
+            todo.append((mode, clips, scale, seed))
+
+    def finished(row: dict) -> None:
+        rows.append(row)
+        rows.sort(key=lambda row: plan.index(row_key(row)))
+        print_table([row], COLUMNS)
+        # after every run, so a stopped benchmark keeps the runs it finished ("complete": false until the last)
+        result = {"benchmark": "simulated_person", "command": shlex.join(["python", "bench/simulated_person.py", *sys.argv[1:]])}
+        result["complete"] = len(rows) == len(plan)
+        machine = machine_info() | {"load_average": list(os.getloadavg())}
+        write_json(output, result | {"machine": machine, "settings": settings, "rows": rows, "medians": medians_per_kind(rows)})
+
+    run_at_once(args, todo, budgets, finished)
     print_table(rows, COLUMNS)
     print("medians:")
     print_table(medians_per_kind(rows), ["mode", "clips", "rating_scale", "seeds", *COLUMNS[4:]])
+
+
+def run_at_once(args, todo: list[tuple], budgets: dict, finished) -> None:
+    """Runs each planned (mode, clips, scale, seed) with one_run, args.parallel at a time, each in a spawned process
+    (its own token in its environment, its own browser), handing `finished` each row as its run ends. A run goes to
+    the pool only when a worker is free, so that nothing is queued when the benchmark stops: stopped (Ctrl-C) or a run
+    failed, the runs still going are interrupted too, and each one_run's `finally` ends its trainer."""
+    with ProcessPoolExecutor(args.parallel, mp_context=multiprocessing.get_context("spawn")) as pool:
+        running = set()
+        try:
+            while todo or running:
+                while todo and len(running) < args.parallel:
+                    mode, clips, scale, seed = todo.pop(0)
+                    running.add(pool.submit(one_run, args, seed, mode == "async", clips, scale, budgets[clips, scale]))
+                done, running = wait(running, return_when=FIRST_COMPLETED)
+                for run in done:
+                    finished(run.result())
+        except BaseException:
+            for worker in multiprocessing.active_children():
+                os.kill(worker.pid, signal.SIGINT)
+            raise
 
 
 # Settings that say which runs an invocation starts or where it writes, not how a run goes: --keep-finished compares

@@ -3,9 +3,11 @@ zero-reward windmill (server autostarted, token on), answering by the objective 
 
 import argparse
 import json
+import signal
 import sqlite3
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -175,3 +177,45 @@ def test_a_person_who_wants_the_envs_reward_judges_by_its_returns_and_the_traine
     args.objective = "windmill-clockwise"
     flags = person_module.trainer_flags(args, 1, "run", "http://127.0.0.1:1", True, 2, 0, 6)
     assert flags[flags.index("--teacher-objective") + 1] == "windmill-clockwise"
+
+
+def test_a_stopped_benchmark_stops_every_run_it_started(tmp_path):
+    """--parallel 2, stopped with SIGTERM (as `kill` or a scheduler stops it) while both runs train: the benchmark exits
+    within seconds, leaves no trainer behind, and writes no row for a run it did not finish."""
+    command = [
+        sys.executable, str(REPO / "bench" / "simulated_person.py"), "--seeds", "1", "--modes", "async",
+        "--objective", "windmill-counterclockwise", "--steps", "20000", "--explore-steps", "500", "--labels", "30",
+        "--clips-per-query", "2", "3", "--pairs-per-session", "3", "--feedback-frequency", "300",
+        "--evaluation-frequency", "20000", "--answer-delay", "0.1", "0.2", f"--preference-flags={SMALL_NETWORKS}",
+        "--parallel", "2", "--workdir", str(tmp_path / "work"), "--output", str(tmp_path / "out.json"),
+    ]  # fmt: skip
+    bench = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def trainers(names: list[str]) -> list[int]:
+        """The live processes whose command line names one of the runs."""
+        alive = []
+        for proc in Path("/proc").iterdir():
+            try:
+                line = (proc / "cmdline").read_bytes().decode(errors="replace")
+            except OSError:
+                continue
+            if proc.name.isdigit() and any(name in line for name in names) and "sac_rlhf.py" in line:
+                alive.append(int(proc.name))
+        return alive
+
+    try:
+        deadline, names = time.monotonic() + 180, []
+        while time.monotonic() < deadline and len(trainers(names)) < 2:
+            time.sleep(0.5)
+            names = [log.stem for log in (tmp_path / "work").glob("person_*.log")]
+        assert len(trainers(names)) == 2, "both runs were to be training at once"
+        bench.send_signal(signal.SIGTERM)
+        assert bench.wait(timeout=60) != 0
+        deadline = time.monotonic() + 10
+        while trainers(names) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert trainers(names) == []
+        assert not (tmp_path / "out.json").exists()
+    finally:
+        if bench.poll() is None:
+            bench.kill()
