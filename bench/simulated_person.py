@@ -432,7 +432,7 @@ def main() -> None:
 
     def finished(row: dict) -> None:
         rows.append(row)
-        rows.sort(key=lambda row: plan.index(row_key(row)))
+        rows.sort(key=lambda kept: plan.index(row_key(kept)))
         print_table([row], COLUMNS)
         # after every run, so a stopped benchmark keeps the runs it finished ("complete": false until the last)
         result = {"benchmark": "simulated_person", "command": shlex.join(["python", "bench/simulated_person.py", *sys.argv[1:]])}
