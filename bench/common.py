@@ -34,6 +34,11 @@ def results_path(benchmark: str, question: str, name: str) -> Path:
     return RESULTS / benchmark / question / f"{name}.json"
 
 
+def correlation(a: np.ndarray, b: np.ndarray) -> float | None:
+    """Pearson's r of two series; None where it is undefined (fewer than three points, or either one constant)."""
+    return float(np.corrcoef(a, b)[0, 1]) if len(a) > 2 and a.std() > 0 and b.std() > 0 else None
+
+
 def task_name(env_id: str) -> str:
     """An env id as a results name says it: `Hopper-v5` -> `hopper`, `dm_control/walker-walk-v0` -> `walker-walk`."""
     name = env_id.rsplit("/", 1)[-1].rsplit(":", 1)[-1]

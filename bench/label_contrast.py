@@ -29,7 +29,7 @@ from pathlib import Path
 import gymnasium as gym
 import numpy as np
 import torch
-from common import REPO, finished_run, machine_info, print_table, results_path, task_name, write_json
+from common import REPO, correlation, finished_run, machine_info, print_table, results_path, task_name, write_json
 from frozen_reward import load_reward_model
 
 from cleanrlhf_utils.errors import need
@@ -49,10 +49,6 @@ def control_facts(env_id: str) -> tuple[float, int]:
     env.close()
     need(weight is not None, f"{env_id} has no control cost weight (ctrl_cost_weight): Gymnasium MuJoCo envs only")
     return float(weight), action_dim
-
-
-def correlation(a: np.ndarray, b: np.ndarray) -> float | None:
-    return float(np.corrcoef(a, b)[0, 1]) if len(a) > 2 and a.std() > 0 and b.std() > 0 else None
 
 
 def contrast_row(run: str, session, control, true, model, steps, labels) -> dict:

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from common import REPO, finished_run, machine_info, print_table, results_path, task_name, write_json
+from common import REPO, correlation, finished_run, machine_info, print_table, results_path, task_name, write_json
 from frozen_reward import load_reward_model
 
 from cleanrlhf_utils.envs import make_env
@@ -60,10 +60,6 @@ COLUMNS = [
     "policy", "episodes", "steps", "true_return", "learned_return", "disagreement", "ranked_as_true", "learned_vs_true",
     *(f"{term}_per_step" for term in TERMS), *(f"learned_vs_{term}" for term in TERMS),
 ]  # fmt: skip
-
-
-def correlation(a: np.ndarray, b: np.ndarray) -> float | None:
-    return float(np.corrcoef(a, b)[0, 1]) if a.std() > 0 and b.std() > 0 else None
 
 
 def rollouts(actor: torch.nn.Module, env_id: str, episodes: int, seed: int, terminate_when_unhealthy: bool) -> list[dict]:

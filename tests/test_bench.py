@@ -3,6 +3,7 @@
 import argparse
 import contextlib
 import functools
+import importlib
 import json
 import os
 import signal
@@ -18,6 +19,17 @@ import tyro
 import sweep
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def bench_module(name: str):
+    """bench/<name>.py as a module, its own imports (`from common import ...`) resolved from bench/ as when it runs."""
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+
+
 sys.path.insert(0, str(REPO / "bench"))
 try:
     import feedback_efficiency

@@ -1,12 +1,12 @@
 """bench/label_contrast.py (what a run's labels tell apart in the control cost and the rest of the reward, and what its
 model learned of each) and bench/ant_without_contact_forces.py (Ant-v5 less its contact forces)."""
 
-import sys
 from pathlib import Path
 
 import gymnasium as gym
 import numpy as np
 import pytest
+from test_bench import bench_module
 from test_end_to_end import small_args
 
 import sac_rlhf
@@ -17,13 +17,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def bench_modules():
-    sys.path.insert(0, str(REPO / "bench"))
-    try:
-        import ant_without_contact_forces
-        import label_contrast
-    finally:
-        sys.path.remove(str(REPO / "bench"))
-    return label_contrast, ant_without_contact_forces
+    return bench_module("label_contrast"), bench_module("ant_without_contact_forces")
 
 
 def pairs(n: int, seed: int = 0) -> dict[str, np.ndarray]:

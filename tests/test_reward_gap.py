@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from test_bench import bench_module
 from test_end_to_end import assert_same_training, final_state, scalars, small_args
 
 import sac_rlhf
@@ -41,12 +42,7 @@ def frozen_args(name: str, **overrides):
 
 
 def frozen_bench():
-    sys.path.insert(0, str(REPO / "bench"))
-    try:
-        import frozen_reward
-    finally:
-        sys.path.remove(str(REPO / "bench"))
-    return frozen_reward
+    return bench_module("frozen_reward")
 
 
 def test_a_frozen_reward_run_is_sac_on_the_loaded_model_which_it_never_changes(chdir_tmp):
@@ -379,11 +375,7 @@ def test_the_nonnegative_reward_experiment_shifts_the_lowest_learned_reward_to_z
 
     from cleanrlhf_utils.buffers import ReplayBuffer
 
-    sys.path.insert(0, str(REPO / "bench"))
-    try:
-        import nonnegative_reward
-    finally:
-        sys.path.remove(str(REPO / "bench"))
+    nonnegative_reward = bench_module("nonnegative_reward")
     for name in ("LoopState", "sac_reward_scale", "reset_after_session", "learned_rewards"):
         monkeypatch.setattr(sac_rlhf, name, getattr(sac_rlhf, name))  # restored after the test
     plain_rewards = sac_rlhf.learned_rewards

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_bench import bench_module
 from test_end_to_end import small_args
 
 import sac_rlhf
@@ -17,12 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def reward_on_policies():
-    sys.path.insert(0, str(REPO / "bench"))
-    try:
-        import reward_on_policies
-    finally:
-        sys.path.remove(str(REPO / "bench"))
-    return reward_on_policies
+    return bench_module("reward_on_policies")
 
 
 def test_the_ranking_share_counts_pairs_ordered_as_the_true_return_and_leaves_ties_out(reward_on_policies):
