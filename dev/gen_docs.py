@@ -26,7 +26,10 @@ its versions, so comparing them would fail on a machine with another matplotlib 
 
 import argparse
 import ast
+import functools
+import hashlib
 import html
+import inspect
 import json
 import math
 import os
@@ -70,9 +73,8 @@ SCRIPTS = {
 # ------------------------------------------------------------------------------------------------------------------
 def args_default(repo: Path, script: str, name: str):
     """The default of field `name` of a script's Args (SCRIPTS names the script), as a Python value."""
-    cache: dict[Path, ast.Module] = {}
-    owner_path, node = find_class(repo, repo / SCRIPTS[script], "Args", cache)
-    field = next(field for field in class_fields(repo, owner_path, node, cache) if field.name == name)
+    owner_path, node = find_class(repo, repo / SCRIPTS[script], "Args")
+    field = next(field for field in class_fields(repo, owner_path, node) if field.name == name)
     return ast.literal_eval(field.default)
 
 
@@ -99,9 +101,9 @@ def default_text(field: Field) -> str:
     return f"`{value}`".replace("|", "\\|")
 
 
-def flags_page(repo: Path, script: str, source: str, cache: dict) -> str:
+def flags_page(repo: Path, script: str, source: str) -> str:
     path = repo / source
-    _, node = find_class(repo, path, "Args", cache)
+    _, node = find_class(repo, path, "Args")
     lines = [GENERATED.format(source=f"the docstrings of `{source}`'s Args"), f"# Flags of `{source}`\n"]
     intro = ast.get_docstring(node)
     if intro:
@@ -110,7 +112,7 @@ def flags_page(repo: Path, script: str, source: str, cache: dict) -> str:
         f"Every flag of `python {source}`, in the groups and the order `--help` lists them. Booleans take `--name` or "
         "`--no-name`; a list takes its values after the flag, separated by spaces.\n"
     )
-    groups = help_groups(repo, path, "Args", cache)
+    groups = help_groups(repo, path, "Args")
     for title, description, fields in groups:
         if len(groups) > 1:
             lines.append(f"## {title}\n")
@@ -387,13 +389,39 @@ def suite_table(manifest: dict[str, Result], results: dict[str, dict], link_pref
     return "\n".join(lines) + "\n"
 
 
-def curve_plot(name: str, result: dict) -> Callable[[Path], None] | None:
-    """A function drawing a result file's learning curves (None: the file kept none)."""
+class Plot:
+    """A plot to draw and what it shows: `fingerprint` hashes the data it draws and the code that draws it, and is kept in
+    the PNG (a text chunk), so that a plot is current exactly when its file holds the fingerprint of what would be
+    drawn now. The PNG's bytes cannot say that: they differ between matplotlib's versions for the same figure."""
+
+    KEY = "cleanrlhf-plot"
+
+    def __init__(self, draw: Callable[[Path, dict], None], data):
+        self.draw_figure = draw
+        source = inspect.getsource(draw)
+        self.fingerprint = hashlib.sha256((source + json.dumps(data, sort_keys=True)).encode()).hexdigest()
+
+    def current(self, path: Path) -> bool:
+        if not path.is_file():
+            return False
+        from PIL import Image  # noqa: PLC0415  (matplotlib's own dependency: only where plots are read)
+
+        with Image.open(path) as image:
+            return image.text.get(self.KEY) == self.fingerprint
+
+    def draw(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.draw_figure(path, {"Software": None, self.KEY: self.fingerprint})
+
+
+def curve_plot(name: str, result: dict) -> Plot | None:
+    """A result file's learning curves (None: the file kept none)."""
     rows = [row for row in result.get("rows", []) if row.get("pebble_eval_curve") or row.get("sac_eval_curve")]
     if not rows:
         return None
+    shown = [{key: row.get(key) for key in ("seed", "env_id", "pebble_eval_curve", "sac_eval_curve")} for row in rows]
 
-    def draw(path: Path) -> None:
+    def draw(path: Path, metadata: dict) -> None:
         import matplotlib
 
         matplotlib.use("Agg")
@@ -414,11 +442,10 @@ def curve_plot(name: str, result: dict) -> Callable[[Path], None] | None:
         axes.legend(fontsize=7, ncols=2)
         axes.grid(alpha=0.3)
         figure.tight_layout()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        figure.savefig(path, metadata={"Software": None})
+        figure.savefig(path, metadata=metadata)
         plt.close(figure)
 
-    return draw
+    return Plot(draw, [name, shown])
 
 
 def result_facts(entry: Result, machine: dict) -> list[str]:
@@ -446,7 +473,7 @@ def question_heading(repo: Path, question: str, page: str) -> list[str]:
 
 
 def feedback_page(
-    repo: Path, questions: dict[str, str], manifest: dict[str, Result], results: dict[str, dict], plots: dict[str, Callable]
+    repo: Path, questions: dict[str, str], manifest: dict[str, Result], results: dict[str, dict], plots: dict[str, Plot]
 ) -> str:
     lines = [
         GENERATED.format(source="bench/results/manifest.yaml and the feedback_efficiency results it lists"),
@@ -635,13 +662,23 @@ def preference_flags(result: dict) -> str:
     return command_value(shlex.split(result.get("command", "")), "--preference-flags") or "(none)"
 
 
+@functools.cache
+def preference_run_settings(flags: str) -> dict:
+    """Every setting of the preference script a novel-behaviours file's --preference-flags start (run_settings: the
+    script's own parse), once per distinct flags: the seeds of one setting share them, and each parse takes most of a
+    second."""
+    from common import preference_script, run_settings  # noqa: PLC0415  (imports torch: only where needed)
+
+    return run_settings(preference_script(flags), shlex.split(flags))[0]
+
+
 def label_sessions(result: dict) -> str:
     """When a novel-behaviours file's preference runs were asked, from its command: how many sessions had labels, the
     steps of the first and the last, and the first and last session's labels, so that two settings with the same
     --preference-flags but labels asked over different stretches of the run read apart. The counts come from
     sac_rlhf.py's own `feedback_schedule` on its own parse of the flags (an exponential schedule's last sessions can
     round to no label), and a session is due every --feedback-frequency steps from --explore-steps, while the run lasts."""
-    from common import preference_script, run_settings, script_module  # noqa: PLC0415  (imports torch: only where needed)
+    from common import script_module  # noqa: PLC0415  (imports torch: only where needed)
 
     words = shlex.split(result.get("command", ""))
     bench = {
@@ -652,7 +689,7 @@ def label_sessions(result: dict) -> str:
         return "–"
     labels, per_session, first, every, steps = (int(value) for value in bench.values())
     flags = command_value(words, "--preference-flags") or ""
-    run = run_settings(preference_script(flags), shlex.split(flags))[0]
+    run = preference_run_settings(flags)
     schedule = script_module("sac_rlhf.py").feedback_schedule
     counts = schedule(labels, per_session, run["teacher_feedback_schedule"], run["teacher_feedback_exponential_decay"])
     counts = counts[: (steps - 1 - first) // every + 1]  # the sessions due before the run ends
@@ -914,10 +951,9 @@ def gallery(manifest: dict[str, dict]) -> str:
 # ------------------------------------------------------------------------------------------------------------------
 # Everything, and the check
 # ------------------------------------------------------------------------------------------------------------------
-def generate(repo: Path = REPO) -> tuple[dict[str, str], dict[str, Callable[[Path], None]]]:
-    """Every generated page (path relative to the repository -> text) and every plot (path -> a function drawing it)."""
-    cache: dict[Path, ast.Module] = {}
-    pages = {f"docs/reference/flags-{script}.md": flags_page(repo, script, source, cache) for script, source in SCRIPTS.items()}
+def generate(repo: Path = REPO) -> tuple[dict[str, str], dict[str, Plot]]:
+    """Every generated page (path relative to the repository -> text) and every plot (path -> Plot)."""
+    pages = {f"docs/reference/flags-{script}.md": flags_page(repo, script, source) for script, source in SCRIPTS.items()}
     manifest, results = load_results(repo)
     entries = manifest.results
     hand_written = {str(path.relative_to(repo)): path.read_text() for path in [repo / "README.md", *sorted((repo / "docs").rglob("*.md"))]}
@@ -928,9 +964,9 @@ def generate(repo: Path = REPO) -> tuple[dict[str, str], dict[str, Callable[[Pat
     plots = {}
     for name, entry in entries.items():
         if entry.benchmark == "feedback_efficiency":
-            draw = curve_plot(name, results[name])
-            if draw is not None:
-                plots[name] = draw
+            plot = curve_plot(name, results[name])
+            if plot is not None:
+                plots[name] = plot
     pages[FEEDBACK_PAGE] = feedback_page(repo, manifest.questions, entries, results, plots)
     pages[MEASUREMENTS_PAGE] = measurements_page(repo, manifest.questions, entries, results)
     for relative, link in SUITE_TABLES.items():
@@ -948,8 +984,7 @@ def generate(repo: Path = REPO) -> tuple[dict[str, str], dict[str, Callable[[Pat
         head, rest = readme.split(GALLERY_START, 1)
         tail = rest.split(GALLERY_END, 1)[1]
         pages["README.md"] = f"{head}{GALLERY_START}\n{gallery(shipped_policies(repo))}{GALLERY_END}{tail}"
-    plot_files = {plot_file(name): draw for name, draw in plots.items()}
-    return pages, plot_files
+    return pages, {plot_file(name): plot for name, plot in plots.items()}
 
 
 def missing_gifs(repo: Path = REPO) -> list[str]:
@@ -959,19 +994,21 @@ def missing_gifs(repo: Path = REPO) -> list[str]:
 
 
 def stale(repo: Path = REPO) -> list[str]:
-    """The generated files that differ from what would be generated now (markdown), or are missing (plots)."""
-    pages, plot_files = generate(repo)
+    """The generated files that differ from what would be generated now: pages (their text) and plots (what they show,
+    Plot.current)."""
+    pages, plots = generate(repo)
     found = []
     for relative, text in pages.items():
         path = repo / relative
         if not path.is_file() or path.read_text() != text:
             found.append(relative)
-    found += [relative for relative in plot_files if not (repo / relative).is_file()]
+    found += [relative for relative, plot in plots.items() if not plot.current(repo / relative)]
     return found + missing_gifs(repo)
 
 
 def write(repo: Path = REPO) -> list[str]:
-    pages, plot_files = generate(repo)
+    """Writes the stale generated files (stale); returns their paths."""
+    pages, plots = generate(repo)
     written = []
     for relative, text in pages.items():
         path = repo / relative
@@ -979,8 +1016,10 @@ def write(repo: Path = REPO) -> list[str]:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(text)
             written.append(relative)
-    for relative, draw in plot_files.items():
-        draw(repo / relative)
+    for relative, plot in plots.items():
+        if not plot.current(repo / relative):
+            plot.draw(repo / relative)
+            written.append(relative)
     return written
 
 
@@ -998,7 +1037,7 @@ def main(argv: list[str] | None = None) -> int:
             print("generated docs are current")
         return 1 if found else 0
     written = write(args.repo)
-    print(f"wrote {len(written)} page(s){': ' + ', '.join(written) if written else ''}; plots redrawn")
+    print(f"wrote {len(written)} file(s){': ' + ', '.join(written) if written else ''}")
     for relative in missing_gifs(args.repo):
         print(f"missing: {relative} (make it with: python toolbox/gallery.py)", file=sys.stderr)
     return 0

@@ -56,16 +56,23 @@ def test_the_check_names_a_page_made_stale_by_a_docstring_or_a_result(tmp_path, 
     found = [line.split()[1] for line in capsys.readouterr().err.splitlines() if line.startswith("stale: ")]
     assert "docs/reference/flags-sac_rlhf.md" in found
     assert "docs/reference/flags-pref_ppo.md" not in found and "docs/reference/flags-sac.md" not in found  # sac.py: its own copy
-    # A results file changes: the benchmark page and the README's table are stale; a plot that is gone is named.
+    # A results file changes: the benchmark page, the README's table and the file's plot are stale; a plot that is gone
+    # is named.
     result = copy / "bench" / "results" / "feedback_efficiency" / "walker-walk" / "qpa-seed3.json"
     result.write_text(result.read_text().replace('"seed": 3', '"seed": 33', 1))
-    (copy / "docs" / "benchmarks" / "img" / "walker-walk" / "qpa.png").unlink()
+    images = copy / "docs" / "benchmarks" / "img"
+    (images / "walker-walk" / "pebble.png").unlink()
     found = gen_docs.stale(copy)
-    assert {"docs/benchmarks/feedback-efficiency.md", "docs/benchmarks/img/walker-walk/qpa.png"} <= set(found)
-    # Regenerating writes what was stale (test_generated_pages_are_current shows that generated pages then match).
+    plots = {"docs/benchmarks/img/walker-walk/qpa-seed3.png", "docs/benchmarks/img/walker-walk/pebble.png"}
+    assert {"docs/benchmarks/feedback-efficiency.md", *plots} <= set(found)
+    assert not [path for path in found if path.endswith(".png") and path not in plots], "the other plots are current"
+    # Regenerating writes what was stale and nothing else (test_generated_pages_are_current shows that generated pages
+    # then match); the redrawn plot shows the changed seed.
+    before = {path: path.stat().st_mtime_ns for path in images.rglob("*.png")}
     assert gen_docs.main(["--repo", str(copy)]) == 0
     assert "environment steps of the whole run" in (copy / "docs/reference/flags-sac_rlhf.md").read_text()
-    assert (copy / "docs" / "benchmarks" / "img" / "walker-walk" / "qpa.png").is_file()
+    redrawn = {str(path.relative_to(copy)) for path in images.rglob("*.png") if path.stat().st_mtime_ns != before.get(path)}
+    assert redrawn == plots and gen_docs.stale(copy) == []
 
 
 def test_a_policy_shipped_without_its_gif_makes_the_readme_gallery_stale(tmp_path):

@@ -237,6 +237,9 @@ def test_poetry_installs_a_clean_clone_at_the_locked_versions_and_trains(poetry,
     # clone (.venv), so it goes away with it; its download cache is the user's, as for anyone who runs it twice.
     environment = {key: value for key, value in os.environ.items() if key not in ("VIRTUAL_ENV", "CONDA_PREFIX", "PYTHONPATH")}
     environment |= {"POETRY_VIRTUALENVS_IN_PROJECT": "true", "POETRY_NO_INTERACTION": "1", "OMP_NUM_THREADS": "1"}
+    # PyTorch's index is not reachable from CI machines (pip's find-links serve the CPU wheel there): pip would retry it
+    # for each package it looks up, about 8 s each, a minute of waiting that tests nothing. Once, then PyPI.
+    environment["PIP_RETRIES"] = "0"
 
     def poetry_command(line: str, timeout: int, *extra: str) -> subprocess.CompletedProcess:
         command = [poetry, *shlex.split(line)[1:], *extra]

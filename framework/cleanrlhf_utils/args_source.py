@@ -28,15 +28,22 @@ def module_file(repo: Path, importer: Path, module: str, level: int) -> Path | N
     return None
 
 
-def parse(path: Path, cache: dict[Path, ast.Module]) -> ast.Module:
-    if path not in cache:
-        cache[path] = ast.parse(path.read_text(), filename=str(path))
-    return cache[path]
+_PARSED: dict[Path, tuple[tuple[int, int], ast.Module]] = {}
 
 
-def find_class(repo: Path, path: Path, name: str, cache: dict) -> tuple[Path, ast.ClassDef]:
+def parse(path: Path) -> ast.Module:
+    """The source's syntax tree, parsed once a process while the file stays as it was (its modification time and size):
+    a script's parse of its flags, each --help and each flag page read the same few large files."""
+    stat = path.stat()
+    version = (stat.st_mtime_ns, stat.st_size)
+    if path not in _PARSED or _PARSED[path][0] != version:
+        _PARSED[path] = (version, ast.parse(path.read_text(), filename=str(path)))
+    return _PARSED[path][1]
+
+
+def find_class(repo: Path, path: Path, name: str) -> tuple[Path, ast.ClassDef]:
     """A class defined in `path`, or imported into it by name (followed to its definition)."""
-    tree = parse(path, cache)
+    tree = parse(path)
     for node in tree.body:
         if isinstance(node, ast.ClassDef) and node.name == name:
             return path, node
@@ -44,22 +51,22 @@ def find_class(repo: Path, path: Path, name: str, cache: dict) -> tuple[Path, as
         if isinstance(node, ast.ImportFrom) and any(alias.name == name and alias.asname is None for alias in node.names):
             source = module_file(repo, path, node.module or "", node.level)
             if source is not None:
-                return find_class(repo, source, name, cache)
+                return find_class(repo, source, name)
     raise LookupError(f"{path.relative_to(repo)}: class {name} not found")
 
 
-def class_fields(repo: Path, path: Path, node: ast.ClassDef, cache: dict) -> list[Field]:
+def class_fields(repo: Path, path: Path, node: ast.ClassDef) -> list[Field]:
     """A dataclass's fields in the order dataclasses (and tyro) give them: the bases' (last base first), then its own; a
     field redefined keeps its place and takes the new default and docstring."""
     fields: dict[str, Field] = {}
     for base in reversed(node.bases):
         if isinstance(base, ast.Name):
-            base_path, base_node = find_class(repo, path, base.id, cache)
+            base_path, base_node = find_class(repo, path, base.id)
         elif isinstance(base, ast.Attribute) and isinstance(base.value, ast.Name):  # `import sac_rlhf` ... `sac_rlhf.Args`
-            base_path, base_node = find_class(repo, module_file(repo, path, base.value.id, 0), base.attr, cache)
+            base_path, base_node = find_class(repo, module_file(repo, path, base.value.id, 0), base.attr)
         else:
             continue
-        for field in class_fields(repo, base_path, base_node, cache):
+        for field in class_fields(repo, base_path, base_node):
             fields[field.name] = field
     body = node.body
     for index, statement in enumerate(body):
@@ -89,10 +96,9 @@ def source_flags(script: str | Path, class_name: str = "Args") -> list[str] | No
     source; None when the source cannot be read that way (the script's own parse then says what is wrong)."""
     path = Path(script).resolve()
     repo = path.parents[1]  # framework/<script>.py
-    cache: dict[Path, ast.Module] = {}
     try:
-        owner, node = find_class(repo, path, class_name, cache)
-        fields = class_fields(repo, owner, node, cache)
+        owner, node = find_class(repo, path, class_name)
+        fields = class_fields(repo, owner, node)
     except (OSError, SyntaxError, LookupError, TypeError):
         return None
     flags = []
@@ -103,7 +109,7 @@ def source_flags(script: str | Path, class_name: str = "Args") -> list[str] | No
     return flags
 
 
-def class_constant(repo: Path, path: Path, node: ast.ClassDef, name: str, cache: dict):
+def class_constant(repo: Path, path: Path, node: ast.ClassDef, name: str):
     """The literal value of a class attribute `name` (a ClassVar) of a class or, failing that, of its bases; None."""
     for statement in node.body:
         target = statement.target if isinstance(statement, ast.AnnAssign) else None
@@ -112,14 +118,14 @@ def class_constant(repo: Path, path: Path, node: ast.ClassDef, name: str, cache:
     for base in node.bases:
         try:
             if isinstance(base, ast.Name):
-                base_path, base_node = find_class(repo, path, base.id, cache)
+                base_path, base_node = find_class(repo, path, base.id)
             elif isinstance(base, ast.Attribute) and isinstance(base.value, ast.Name):
-                base_path, base_node = find_class(repo, module_file(repo, path, base.value.id, 0), base.attr, cache)
+                base_path, base_node = find_class(repo, module_file(repo, path, base.value.id, 0), base.attr)
             else:
                 continue
         except (LookupError, TypeError):
             continue
-        value = class_constant(repo, base_path, base_node, name, cache)
+        value = class_constant(repo, base_path, base_node, name)
         if value is not None:
             return value
     return None
@@ -129,15 +135,14 @@ FIRST_GROUP = "start here"
 """the title of the first group --help shows: the flags a newcomer sets (the class attribute `first_flags` of Args)"""
 
 
-def help_groups(repo: Path, path: Path, class_name: str = "Args", cache: dict | None = None) -> list[tuple[str, str, list[Field]]]:
+def help_groups(repo: Path, path: Path, class_name: str = "Args") -> list[tuple[str, str, list[Field]]]:
     """The titled groups --help and the flag pages show a script's settings in: (title, description, fields). First
     FIRST_GROUP, the fields Args names in `first_flags` (a string of names); then every other field in the group of the class that declares
     it first (its `help_group`, else the class's name, described by its docstring), groups in the order of their first
     field. One group (all fields, titled by class_name) where Args names no first_flags."""
-    cache = {} if cache is None else cache
-    owner_path, node = find_class(repo, path, class_name, cache)
-    fields = class_fields(repo, owner_path, node, cache)
-    first = (class_constant(repo, owner_path, node, "first_flags", cache) or "").split()
+    owner_path, node = find_class(repo, path, class_name)
+    fields = class_fields(repo, owner_path, node)
+    first = (class_constant(repo, owner_path, node, "first_flags") or "").split()
     if not first:
         return [(class_name, " ".join((ast.get_docstring(node) or "").split()), fields)]
     by_name = {field.name: field for field in fields}
@@ -145,8 +150,8 @@ def help_groups(repo: Path, path: Path, class_name: str = "Args", cache: dict | 
     for field in fields:
         if field.name in first:
             continue
-        _, owner_node = find_class(repo, field.owner_path, field.owner, cache)
-        title = class_constant(repo, field.owner_path, owner_node, "help_group", cache) or field.owner
+        _, owner_node = find_class(repo, field.owner_path, field.owner)
+        title = class_constant(repo, field.owner_path, owner_node, "help_group") or field.owner
         description = " ".join((ast.get_docstring(owner_node) or "").split())
         groups.setdefault(title, (description, []))[1].append(field)
     return [(title, description, members) for title, (description, members) in groups.items()]
