@@ -103,3 +103,18 @@ def test_every_flag_of_an_algorithm_script_has_a_use_or_a_reason(script):
         if not named and field.name not in preset_fields and flag not in JUSTIFIED:
             unused.append(flag)
     assert not unused, f"{script}.py: no script, preset, sweep or docs page uses {unused}: remove them or justify them"
+
+
+def test_a_script_edited_after_its_flags_were_read_is_read_again(tmp_path):
+    """The Args sources are parsed once a process while they stay as they were: a script edited in between (a flag
+    added, a docstring changed) is read anew, by the flag check and by --help's groups alike."""
+    from cleanrlhf_utils.args_source import help_groups, source_flags
+
+    script = tmp_path / "framework" / "tiny.py"
+    script.parent.mkdir()
+    script.write_text('class Args:\n    steps: int = 3\n    """steps to take"""\n')
+    assert source_flags(script) == ["--steps"]
+    assert [field.doc for field in help_groups(tmp_path, script)[0][2]] == ["steps to take"]
+    script.write_text('class Args:\n    steps: int = 3\n    """steps of the run"""\n    seed: int = 1\n')
+    assert source_flags(script) == ["--steps", "--seed"]
+    assert [field.doc for field in help_groups(tmp_path, script)[0][2]] == ["steps of the run", ""]
