@@ -612,6 +612,7 @@ MEASUREMENT_COLUMNS = {
         "person_waiting_share",
         "longest_wait_s",
         "objective_success",
+        "eval_return",
         "person_agreement",
     ],
 }
@@ -864,12 +865,25 @@ NEWER_COLUMNS = {"flipped", "flipped_wrong", "trusted_wrong", "clips", "rating_s
 """MEASUREMENT_COLUMNS that files written before them lack: shown only where some row has them."""
 
 
+RESULT_COLUMNS = {"objective_success": (None,), "eval_return": (None, 0)}
+"""MEASUREMENT_COLUMNS of a run's result that say something only for some tasks, and the values that say nothing: shown
+only where some row has another value (a person judging by the env's return has no objective to succeed at, None; the
+windmill's env reward is 0 at every step)."""
+
+
 def measured_columns(columns: list[str] | None, rows: list[dict], strict: bool = True) -> list[str] | None:
-    """A kind's columns for these rows, the newer ones only where some row has them. `strict` (the measurements page):
-    None, every key, when the first row lacks one of the others (a file of another shape under the same prefix)."""
-    if not columns or (strict and not all(column in rows[0] for column in columns if column not in NEWER_COLUMNS)):
+    """A kind's columns for these rows, the newer ones only where some row has them, the RESULT_COLUMNS only where some
+    row has a value. `strict` (the measurements page): None, every key, when the first row lacks one of the others (a
+    file of another shape under the same prefix)."""
+    optional = NEWER_COLUMNS | RESULT_COLUMNS.keys()
+    if not columns or (strict and not all(column in rows[0] for column in columns if column not in optional)):
         return None
-    return [column for column in columns if column not in NEWER_COLUMNS or any(column in row for row in rows)]
+    return [
+        column
+        for column in columns
+        if (column not in NEWER_COLUMNS or any(column in row for row in rows))
+        and (column not in RESULT_COLUMNS or any(row.get(column) not in RESULT_COLUMNS[column] for row in rows))
+    ]
 
 
 def marked_table(

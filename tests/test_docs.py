@@ -639,3 +639,17 @@ def test_every_training_command_the_docs_show_passes_the_scripts_own_checks(monk
                 pytest.fail(f"{page.relative_to(REPO)}: {command}\n  exit {exit.code}: {capsys.readouterr().err.strip()}")
             checked += 1
     assert checked >= 10
+
+
+def test_a_person_bench_table_shows_the_result_each_task_has():
+    """The simulated person's rows: the windmill's table shows the objective's success and not the env's return (0 at
+    every step there), a person judging Hopper by its return shows that return and no objective success (None), and a
+    success of 0 on every row is still shown (nothing learned is a result)."""
+    columns = gen_docs.MEASUREMENT_COLUMNS["simulated_person"]
+    windmill = [{"mode": "async", "seed": seed, "eval_return": 0.0, "objective_success": 0.99} for seed in (1, 2)]
+    hopper = [{"mode": "async", "seed": seed, "eval_return": 2000.0 + seed, "objective_success": None} for seed in (1, 2)]
+    failed = [{"mode": "async", "seed": seed, "eval_return": 0.0, "objective_success": 0.0} for seed in (1, 2)]
+    shown = [gen_docs.measured_columns(columns, rows, strict=False) for rows in (windmill, hopper, failed)]
+    assert "objective_success" in shown[0] and "eval_return" not in shown[0]
+    assert "eval_return" in shown[1] and "objective_success" not in shown[1]
+    assert "objective_success" in shown[2]
