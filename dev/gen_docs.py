@@ -1,6 +1,6 @@
 """Generate the docs' reference and benchmark pages from their sources, or check that the committed ones are current.
 
-    python dev/gen_docs.py           # (re)write every generated page and plot
+    python dev/gen_docs.py           # (re)write every stale generated page and plot
     python dev/gen_docs.py --check   # exit 1, naming each stale file, when a page differs from what would be written
 
 What is generated (never edit these by hand; edit the source and re-run):
@@ -20,8 +20,9 @@ What is generated (never edit these by hand; edit the source and re-run):
 Every result is read through the manifest: a results file it does not list, or a page whose table markers name a
 result the manifest does not say it feeds (and the reverse), stops the generator with the list of what differs.
 
-The check compares the markdown byte for byte. Plots and GIFs are only checked to exist: matplotlib's PNG bytes differ between
-its versions, so comparing them would fail on a machine with another matplotlib although nothing changed.
+The check compares the markdown byte for byte, and a plot by the fingerprint of what it shows, which its PNG keeps
+(Plot): matplotlib's PNG bytes differ between its versions, so comparing them would fail on a machine with another
+matplotlib although nothing changed. GIFs are only checked to exist.
 """
 
 import argparse

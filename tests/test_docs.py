@@ -67,7 +67,7 @@ def test_the_check_names_a_page_made_stale_by_a_docstring_or_a_result(tmp_path, 
     assert {"docs/benchmarks/feedback-efficiency.md", *plots} <= set(found)
     assert not [path for path in found if path.endswith(".png") and path not in plots], "the other plots are current"
     # Regenerating writes what was stale and nothing else (test_generated_pages_are_current shows that generated pages
-    # then match); the redrawn plot shows the changed seed.
+    # then match): the two plots are redrawn, with the fingerprints of what they show now, and nothing is stale after.
     before = {path: path.stat().st_mtime_ns for path in images.rglob("*.png")}
     assert gen_docs.main(["--repo", str(copy)]) == 0
     assert "environment steps of the whole run" in (copy / "docs/reference/flags-sac_rlhf.md").read_text()
