@@ -50,6 +50,9 @@ Reported per run and as medians per mode:
   agreement             the person's answers agreeing with the objective (their noise), and the trainer's own
                         measure of it (feedback/objective_agreement, mean over sessions)
   exactly_once          every answer clicked arrived in the run exactly once
+Each row's `curve` holds [step, eval return, labels, person-minutes] at every evaluation: the agent's return against
+the person's time spent by then (a row kept by --keep-finished from before rows had it gains it while its run is
+still in --workdir).
 The trainer runs with the script's defaults for everything the person does not set (reward-check clips on, its poll
 intervals). Targets with --feedback-async: no training step waits more than 2 s on feedback work, trainer idle <= 5 %
 of wall time, person waiting <= 10 % of the labelling time, windmill direction learned as in bench/novel_behaviours.py (>= 95 % of evaluation time the preferred way).
@@ -76,6 +79,7 @@ from pathlib import Path
 
 import numpy as np
 from common import DEFENCE_SCRIPTS, REPO, free_port, machine_info, print_table, read_summary, results_path, start_script, write_json
+from feedback_efficiency import eval_curve
 from novel_behaviours import WINDMILL
 
 from cleanrlhf_utils.feedback import FeedbackClient, FeedbackServerUnreachable, SyntheticTeacher
@@ -284,6 +288,19 @@ def trainer_agreement(workdir: Path, run_name: str) -> float | None:
     return statistics.mean(e.value for e in events.Scalars("feedback/objective_agreement"))
 
 
+def person_curve(workdir: Path, run_name: str, answers: list[dict]) -> list[list[float]]:
+    """[step, eval return, labels, person-minutes] at each of a run's evaluations: its return against the person's
+    time spent by then. The labels are the trainer's count (feedback/labels_obtained) logged at or before the step;
+    the minutes are those of the first that many answers in the order they were given."""
+    spent = np.cumsum([0.0, *(a["answered_s"] - a["shown_s"] for a in sorted(answers, key=lambda a: a["answered_s"]))]) / 60
+    labelled = eval_curve(workdir, run_name, "feedback/labels_obtained")
+    curve = []
+    for step, value in eval_curve(workdir, run_name):
+        labels = int(max((count for at, count in labelled if at <= step), default=0))
+        curve.append([step, value, labels, float(spent[min(labels, len(answers))])])
+    return curve
+
+
 def one_run(args, seed: int, asynchronous: bool, clips: int, scale: int, labels: int) -> dict:
     mode = "async" if asynchronous else "sync"
     run_name = f"person_{mode}_{args.objective}_k{clips}{f'r{scale}' if scale else ''}_{seed}_{int(time.time())}"
@@ -323,6 +340,7 @@ def one_run(args, seed: int, asynchronous: bool, clips: int, scale: int, labels:
         "objective_return": summary.get("final_objective_return"), "objective_success": summary.get("final_objective_success"),
         "person_agreement": statistics.mean(judged) if judged else None, "trainer_agreement": trainer_agreement(args.workdir, run_name),
         "page_errors": seen["page_errors"], "answers": answers, "waits": seen["waits"],
+        "curve": person_curve(args.workdir, run_name, answers),
     }  # fmt: skip
 
 
@@ -430,15 +448,25 @@ def main() -> None:
             print(f"{mode} run, seed {seed}: {args.steps} steps, {budgets[clips, scale]} {kind[query_kind(clips, scale)]} through the page")
             todo.append((mode, clips, scale, seed))
 
-    def finished(row: dict) -> None:
-        rows.append(row)
-        rows.sort(key=lambda kept: plan.index(row_key(kept)))
-        print_table([row], COLUMNS)
-        # after every run, so a stopped benchmark keeps the runs it finished ("complete": false until the last)
+    def write() -> None:
         result = {"benchmark": "simulated_person", "command": shlex.join(["python", "bench/simulated_person.py", *sys.argv[1:]])}
         result["complete"] = len(rows) == len(plan)
         machine = machine_info() | {"load_average": list(os.getloadavg())}
         write_json(output, result | {"machine": machine, "settings": settings, "rows": rows, "medians": medians_per_kind(rows)})
+
+    # A kept row written before rows had their curve gains it while its run is still in --workdir.
+    uncurved = [row for row in rows if "curve" not in row and (args.workdir / "runs" / row["run_name"]).is_dir()]
+    for row in uncurved:
+        row["curve"] = person_curve(args.workdir, row["run_name"], row["answers"])
+        print(f"{row['mode']} run, seed {row['seed']}, {row['run_name']}: its curve read from {args.workdir}")
+    if uncurved:
+        write()
+
+    def finished(row: dict) -> None:
+        rows.append(row)
+        rows.sort(key=lambda kept: plan.index(row_key(kept)))
+        print_table([row], COLUMNS)
+        write()  # after every run, so a stopped benchmark keeps the runs it finished ("complete": false until the last)
 
     run_at_once(args, todo, budgets, finished)
     print_table(rows, COLUMNS)

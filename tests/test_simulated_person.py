@@ -68,6 +68,17 @@ def test_a_person_on_the_page_gives_the_run_labels_that_prefer_what_they_want(tm
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert "kept from" in again.stdout and (tmp_path / "out.json").read_text() == written
     assert [p.name for p in (tmp_path / "work" / "runs").iterdir()] == [row["run_name"]]
+    # Its curve: the final evaluation's return after all six labels and all the person's minutes. A row kept from
+    # before rows had their curve gains it again from the run in --workdir, and nothing else in the file changes.
+    assert row["curve"] == [[1000, row["eval_return"], 6, pytest.approx(row["person_minutes"])]]
+    kept = json.loads(written)
+    del kept["rows"][0]["curve"]
+    (tmp_path / "out.json").write_text(json.dumps(kept))
+    again = subprocess.run([*command, "--keep-finished"], capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0 and "its curve read from" in again.stdout, again.stdout[-3000:] + again.stderr[-3000:]
+    rewritten = json.loads((tmp_path / "out.json").read_text())
+    assert rewritten["rows"] == json.loads(written)["rows"] and rewritten["settings"] == kept["settings"]
+    written = (tmp_path / "out.json").read_text()
     other = [*command, "--keep-finished"]
     other[other.index("--labels") + 1] = "7"
     refused = subprocess.run(other, capture_output=True, text=True, timeout=120)
@@ -80,6 +91,24 @@ def simulated_person():
     import simulated_person
 
     return simulated_person
+
+
+def test_a_curve_sets_each_evaluation_against_the_labels_and_the_persons_minutes_by_then(tmp_path):
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(str(tmp_path / "runs" / "person"))
+    for step, value in [(1000, 10.0), (2000, 20.0), (3000, 30.0), (4000, 40.0)]:
+        writer.add_scalar("eval/mean_return", value, step)
+    for step, count in [(1500, 2), (3000, 3)]:  # a session logged at an evaluation's step came before it
+        writer.add_scalar("feedback/labels_obtained", count, step)
+    writer.close()
+    # given out of order: 6 s, 12 s and 18 s of the person's time, answered in that order
+    answers = [
+        {"shown_s": 30.0, "answered_s": 48.0}, {"shown_s": 0.0, "answered_s": 6.0}, {"shown_s": 10.0, "answered_s": 22.0},
+    ]  # fmt: skip
+    curve = simulated_person().person_curve(tmp_path, "person", answers)
+    assert curve == [[1000, 10.0, 0, 0.0], [2000, 20.0, 2, pytest.approx(0.3)], [3000, 30.0, 3, pytest.approx(0.6)],
+                     [4000, 40.0, 3, pytest.approx(0.6)]]  # fmt: skip
 
 
 def test_the_person_ranks_and_rates_by_the_objective_and_thinks_once_per_judgement():
