@@ -52,7 +52,9 @@ Reported per run and as medians per mode:
   exactly_once          every answer clicked arrived in the run exactly once
 Each row's `curve` holds [step, eval return, labels, person-minutes] at every evaluation: the agent's return against
 the person's time spent by then (a row kept by --keep-finished from before rows had it gains it while its run is
-still in --workdir).
+still in --workdir). From the curves, minutes_to_pairs_result: the person's minutes by the first evaluation at which
+the run's mean return over three evaluations reached the same seed's pairs' result (their mean over their last three),
+for every kind, pairs included: the measure of a kind that teaches as much in fewer of the person's minutes.
 The trainer runs with the script's defaults for everything the person does not set (reward-check clips on, its poll
 intervals). Targets with --feedback-async: no training step waits more than 2 s on feedback work, trainer idle <= 5 %
 of wall time, person waiting <= 10 % of the labelling time, windmill direction learned as in bench/novel_behaviours.py (>= 95 % of evaluation time the preferred way).
@@ -344,6 +346,36 @@ def one_run(args, seed: int, asynchronous: bool, clips: int, scale: int, labels:
     }  # fmt: skip
 
 
+SMOOTHED_EVALUATIONS = 3
+"""evaluations a result is averaged over: one Hopper evaluation's return swings by a third against its neighbour's"""
+
+
+def minutes_to_reach(curve: list[list[float]], level: float) -> float | None:
+    """The person's minutes spent by the first evaluation at which the mean return of it and the evaluations before it
+    (SMOOTHED_EVALUATIONS in all) reached `level`; None if none did."""
+    for end in range(SMOOTHED_EVALUATIONS, len(curve) + 1):
+        window = curve[end - SMOOTHED_EVALUATIONS : end]
+        if statistics.mean(value for _, value, _, _ in window) >= level:
+            return window[-1][3]
+    return None
+
+
+def with_minutes_to_pairs_result(rows: list[dict]) -> list[dict]:
+    """Each row with a curve gains minutes_to_pairs_result: the minutes its person had spent when its agent reached
+    the result of the pairs' run of the same mode and seed (the mean return of that run's last SMOOTHED_EVALUATIONS),
+    the pairs' own row included (at most its person_minutes). Rows without a curve, or without such a pairs' run, get
+    None."""
+    pairs = {(r["mode"], r["seed"]): r["curve"] for r in rows if (r["clips"], r.get("rating_scale", 0)) == (2, 0) and r.get("curve")}
+    for row in rows:
+        level = pairs.get((row["mode"], row["seed"]))
+        reached = None
+        if row.get("curve") and level and len(level) >= SMOOTHED_EVALUATIONS:
+            result = statistics.mean(value for _, value, _, _ in level[-SMOOTHED_EVALUATIONS:])
+            reached = minutes_to_reach(row["curve"], result)
+        row["minutes_to_pairs_result"] = reached
+    return rows
+
+
 COLUMNS = [
     "mode",
     "clips",
@@ -358,7 +390,8 @@ COLUMNS = [
     "trainer_idle_share",
     "longest_step_wait_s",
 ]
-COLUMNS += ["person_waiting_share", "longest_wait_s", "eval_return", "objective_success", "person_agreement", "trainer_agreement"]
+COLUMNS += ["person_waiting_share", "longest_wait_s", "eval_return", "minutes_to_pairs_result", "objective_success"]
+COLUMNS += ["person_agreement", "trainer_agreement"]
 
 
 def main() -> None:
@@ -452,6 +485,7 @@ def main() -> None:
         result = {"benchmark": "simulated_person", "command": shlex.join(["python", "bench/simulated_person.py", *sys.argv[1:]])}
         result["complete"] = len(rows) == len(plan)
         machine = machine_info() | {"load_average": list(os.getloadavg())}
+        with_minutes_to_pairs_result(rows)
         write_json(output, result | {"machine": machine, "settings": settings, "rows": rows, "medians": medians_per_kind(rows)})
 
     # A kept row written before rows had their curve gains it while its run is still in --workdir.
@@ -459,14 +493,15 @@ def main() -> None:
     for row in uncurved:
         row["curve"] = person_curve(args.workdir, row["run_name"], row["answers"])
         print(f"{row['mode']} run, seed {row['seed']}, {row['run_name']}: its curve read from {args.workdir}")
+    with_minutes_to_pairs_result(rows)
     if uncurved:
         write()
 
     def finished(row: dict) -> None:
         rows.append(row)
         rows.sort(key=lambda kept: plan.index(row_key(kept)))
-        print_table([row], COLUMNS)
         write()  # after every run, so a stopped benchmark keeps the runs it finished ("complete": false until the last)
+        print_table([row], COLUMNS)
 
     run_at_once(args, todo, budgets, finished)
     print_table(rows, COLUMNS)

@@ -111,6 +111,22 @@ def test_a_curve_sets_each_evaluation_against_the_labels_and_the_persons_minutes
                      [4000, 40.0, 3, pytest.approx(0.6)]]  # fmt: skip
 
 
+def test_each_kind_is_timed_to_the_pairs_result_of_its_seed_over_three_evaluations():
+    def row(clips, seed, returns, minutes, scale=0):
+        curve = [[1000 * (i + 1), value, i, spent] for i, (value, spent) in enumerate(zip(returns, minutes))]
+        return {"mode": "async", "clips": clips, "rating_scale": scale, "seed": seed, "curve": curve}
+
+    rows = [
+        row(2, 1, [100, 200, 300, 400, 500], [0, 1, 2, 3, 4]),  # its result: 400, the mean of its last three
+        row(3, 1, [100, 500, 500, 500, 300], [0, 0.5, 1, 1.5, 2]),  # one evaluation of 500 is not enough: three are
+        row(2, 1, [300, 300, 300, 300, 300], [0, 0.5, 1, 1.5, 2], scale=5),  # ratings: never there
+        row(3, 2, [900, 900, 900], [0, 1, 2]),  # no pairs' run of seed 2
+        {"mode": "async", "clips": 4, "rating_scale": 0, "seed": 1},  # kept from before curves
+    ]
+    reached = [r["minutes_to_pairs_result"] for r in simulated_person().with_minutes_to_pairs_result(rows)]
+    assert reached == [4, 1.5, None, None, None]
+
+
 def test_the_person_ranks_and_rates_by_the_objective_and_thinks_once_per_judgement():
     person_module = simulated_person()
     person = person_module.Person(beta=-1.0, eps_mistake=0.0, delay=(1.0, 2.0), seed=3)
