@@ -51,8 +51,8 @@ Reported per run and as medians per mode:
                         measure of it (feedback/objective_agreement, mean over sessions)
   exactly_once          every answer clicked arrived in the run exactly once
 Each row's `curve` holds [step, eval return, labels, person-minutes] at every evaluation: the agent's return against
-the person's time spent by then (a row kept by --keep-finished from before rows had it gains it while its run is
-still in --workdir). From the curves, minutes_to_pairs_result: the person's minutes by the first evaluation at which
+the person's time spent by then (a row kept by --keep-finished without one gains it while its run is still in
+--workdir). From the curves, minutes_to_pairs_result: the person's minutes by the first evaluation at which
 the run's mean return over three evaluations reached the same seed's pairs' result (their mean over their last three),
 for every kind, pairs included: the measure of a kind that teaches as much in fewer of the person's minutes.
 The trainer runs with the script's defaults for everything the person does not set (reward-check clips on, its poll
@@ -365,7 +365,9 @@ def with_minutes_to_pairs_result(rows: list[dict]) -> list[dict]:
     the result of the pairs' run of the same mode and seed (the mean return of that run's last SMOOTHED_EVALUATIONS),
     the pairs' own row included (at most its person_minutes). Rows without a curve, or without such a pairs' run, get
     None."""
-    pairs = {(r["mode"], r["seed"]): r["curve"] for r in rows if (r["clips"], r.get("rating_scale", 0)) == (2, 0) and r.get("curve")}
+    pairs = {
+        (r["mode"], r["seed"]): r["curve"] for r in rows if query_kind(r["clips"], r.get("rating_scale", 0)) == "pair" and r.get("curve")
+    }
     for row in rows:
         level = pairs.get((row["mode"], row["seed"]))
         reached = None
@@ -488,7 +490,7 @@ def main() -> None:
         with_minutes_to_pairs_result(rows)
         write_json(output, result | {"machine": machine, "settings": settings, "rows": rows, "medians": medians_per_kind(rows)})
 
-    # A kept row written before rows had their curve gains it while its run is still in --workdir.
+    # A kept row without its curve gains it while its run is still in --workdir.
     uncurved = [row for row in rows if "curve" not in row and (args.workdir / "runs" / row["run_name"]).is_dir()]
     for row in uncurved:
         row["curve"] = person_curve(args.workdir, row["run_name"], row["answers"])

@@ -870,7 +870,7 @@ NEWER_COLUMNS = {"flipped", "flipped_wrong", "trusted_wrong", "clips", "rating_s
 RESULT_COLUMNS = {"objective_success": (None,), "eval_return": (None, 0), "minutes_to_pairs_result": (None,)}
 """MEASUREMENT_COLUMNS of a run's result that say something only for some tasks, and the values that say nothing: shown
 only where some row has another value (a person judging by the env's return has no objective to succeed at, None; the
-windmill's env reward is 0 at every step; rows written before runs kept their curve have no minutes to a result)."""
+windmill's env reward is 0 at every step; a row without its run's curve has no minutes to a result)."""
 
 
 def measured_columns(columns: list[str] | None, rows: list[dict], strict: bool = True) -> list[str] | None:

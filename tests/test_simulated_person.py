@@ -68,8 +68,8 @@ def test_a_person_on_the_page_gives_the_run_labels_that_prefer_what_they_want(tm
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert "kept from" in again.stdout and (tmp_path / "out.json").read_text() == written
     assert [p.name for p in (tmp_path / "work" / "runs").iterdir()] == [row["run_name"]]
-    # Its curve: the final evaluation's return after all six labels and all the person's minutes. A row kept from
-    # before rows had their curve gains it again from the run in --workdir, and nothing else in the file changes.
+    # Its curve: the final evaluation's return after all six labels and all the person's minutes. A kept row
+    # without its curve gains it again from the run in --workdir, and nothing else in the file changes.
     assert row["curve"] == [[1000, row["eval_return"], 6, pytest.approx(row["person_minutes"])]]
     kept = json.loads(written)
     del kept["rows"][0]["curve"]
@@ -122,7 +122,7 @@ def test_each_kind_is_timed_to_the_pairs_result_of_its_seed_over_three_evaluatio
         row(3, 1, [100, 500, 500, 500, 300], [0, 0.5, 1, 1.5, 2]),  # one evaluation of 500 is not enough: three are
         row(2, 1, [300, 300, 300, 300, 300], [0, 0.5, 1, 1.5, 2], scale=5),  # ratings: never there
         row(3, 2, [900, 900, 900], [0, 1, 2]),  # no pairs' run of seed 2
-        {"mode": "async", "clips": 4, "rating_scale": 0, "seed": 1},  # kept from before curves
+        {"mode": "async", "clips": 4, "rating_scale": 0, "seed": 1},  # a row without a curve
     ]
     reached = [r["minutes_to_pairs_result"] for r in simulated_person().with_minutes_to_pairs_result(rows)]
     assert reached == [4, 1.5, None, None, None]
