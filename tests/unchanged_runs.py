@@ -6,10 +6,11 @@ tests/data/unchanged_runs.json, so that moving code around the algorithm scripts
     python tests/unchanged_runs.py              # print this code's fingerprints and whether they match the record
 
 Floating point depends on the instructions the libraries pick at run time for the CPU they find: torch's vectorised
-kernels (AVX2 or AVX-512), MKL's matrix products, oneDNN's, numpy's SIMD loops. Every run therefore goes in a child
-process whose environment pins all four to AVX2 (PINNED), which every x86-64 CPU of the last decade has, so one record
-holds for every such host, whichever of those instruction sets it has beyond AVX2. Library versions change results
-too: the record names the versions it was made with (the locks pin them), and a host with others is told so."""
+kernels (AVX2 or AVX-512), MKL's matrix products, oneDNN's, numpy's SIMD loops and numpy's OpenBLAS (its dot products
+and norms). Every run therefore goes in a child process whose environment pins all five to AVX2 (PINNED), which every
+x86-64 CPU of the last decade has, so one record holds for every such host, whichever of those instruction sets it has
+beyond AVX2. Library versions change results too: the record names the versions it was made with (the locks pin
+them), and a host with others is told so."""
 
 import argparse
 import hashlib
@@ -31,6 +32,7 @@ PINNED = {
     "MKL_CBWR": "AVX2",  # MKL's conditional numerical reproducibility: the AVX2 code path on any CPU that has it
     "ONEDNN_MAX_CPU_ISA": "AVX2",
     "NPY_DISABLE_CPU_FEATURES": AVX512,  # numpy's dispatched loops (AVX-512 versions of exp, log, sort ...)
+    "OPENBLAS_CORETYPE": "Haswell",  # numpy's OpenBLAS picks its kernels by CPU model: SkylakeX on AMD's AVX-512 EPYCs
     "OMP_NUM_THREADS": "1",
     "MKL_NUM_THREADS": "1",
     "MUJOCO_GL": "egl",
