@@ -27,6 +27,7 @@ from common import (
     REPO,
     add_resume_arguments,
     earlier_run,
+    longer_runs,
     machine_info,
     preference_script,
     print_table,
@@ -87,11 +88,16 @@ def relative(path: Path) -> Path:
     return path.relative_to(REPO) if path.is_relative_to(REPO) else path
 
 
-def last_evaluations(workdir: Path, run_name: str, measures: tuple[str, ...] = ()) -> dict:
-    """The objective's return, success and further `measures` over the run's evaluations, and their means over the
-    last three: one evaluation of 5 episodes of a backflipping Hopper swings by whole flips."""
-    returns = eval_curve(workdir, run_name, "eval/objective_return")
-    successes = eval_curve(workdir, run_name, "eval/objective_success")
+def last_evaluations(workdir: Path, run_name: str, measures: tuple[str, ...] = (), until: int | None = None) -> dict:
+    """The objective's return, success and further `measures` over the run's evaluations (those at or before step
+    `until`, if given), and their means over the last three: one evaluation of 5 episodes of a backflipping Hopper
+    swings by whole flips."""
+
+    def curve(tag: str) -> list[list[float]]:
+        return [[step, value] for step, value in eval_curve(workdir, run_name, tag) if until is None or step <= until]
+
+    returns = curve("eval/objective_return")
+    successes = curve("eval/objective_success")
     result = {
         "objective_curve": returns,
         "objective_success_curve": successes,
@@ -99,9 +105,45 @@ def last_evaluations(workdir: Path, run_name: str, measures: tuple[str, ...] = (
         "objective_success_last3": last_evaluations_mean(successes),
     }
     for name in measures:  # e.g. a backflip objective's landed backflips beside its own count
-        curve = eval_curve(workdir, run_name, f"eval/objective_{name}")
-        result |= {f"objective_{name}_curve": curve, f"objective_{name}_last3": last_evaluations_mean(curve)}
+        measured = curve(f"eval/objective_{name}")
+        result |= {f"objective_{name}_curve": measured, f"objective_{name}_last3": last_evaluations_mean(measured)}
     return result
+
+
+def longer_ceiling(workdir: Path, flags: list[str], steps: int) -> Path | None:
+    """--ceiling-from: a SAC run in `workdir` started with the ceiling's `flags` but more steps, finished or not, that
+    has evaluated at `steps`. Its first `steps` steps are the run `flags` asks for (tests/test_end_to_end.py), so one
+    long ceiling serves preference runs of any shorter length."""
+    return next((run for run in longer_runs(workdir, "sac.py", flags) if evaluated_at(run, steps)), None)
+
+
+def evaluated_at(run: Path, step: int) -> bool:
+    return any(at == step for at, _ in eval_curve(run.parent.parent, run.name))
+
+
+def ceiling_figures(ceiling_run: Path, steps: int, measures: tuple[str, ...]) -> dict:
+    """The ceiling's figures beside a preference run of `steps` steps: from its summary where it ran exactly that
+    long, else (a longer run) from its evaluation at `steps`, as TensorBoard logged it (float32)."""
+    workdir, name = ceiling_run.parent.parent, ceiling_run.name
+    total = json.loads((ceiling_run / "args.json").read_text())["total_timesteps"]
+    if total == steps:
+        if not (ceiling_run / "summary.json").exists():
+            raise SystemExit(f"the ceiling run {ceiling_run} has not finished (no summary.json); rerun once it has")
+        ceiling = json.loads((ceiling_run / "summary.json").read_text())
+    else:
+        tags = {"eval_return": "eval/mean_return", "objective_return": "eval/objective_return"}
+        tags |= {"objective_success": "eval/objective_success"} | {f"objective_{n}": f"eval/objective_{n}" for n in measures}
+        at_steps = {key: [value for at, value in eval_curve(workdir, name, tag) if at == steps] for key, tag in tags.items()}
+        ceiling = {f"final_{key}": values[0] if values else None for key, values in at_steps.items()}
+    figures = {
+        "ceiling_run": name,
+        "ceiling_objective_return": ceiling["final_objective_return"],
+        "ceiling_objective_success": ceiling.get("final_objective_success"),
+        "ceiling_env_return": ceiling["final_eval_return"],
+    }
+    figures |= {f"ceiling_objective_{n}": ceiling.get(f"final_objective_{n}") for n in measures}
+    curves = last_evaluations(workdir, name, measures, until=steps)
+    return figures | {f"ceiling_{key}": value for key, value in curves.items()}
 
 
 def start_unless_finished(args, jobs: list, script: str, flags: list[str], run_name: str) -> Path:
@@ -151,7 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--ceiling-from",
         type=Path,
         help="a workdir whose runs/ holds this benchmark's SAC-on-objective runs with the same env, objective, seeds, steps "
-        "and evaluations (from an earlier invocation, finished or still running): read, not run again",
+        "and evaluations (from an earlier invocation, finished or still running), or with more steps and an evaluation "
+        "at --steps (read there): read, not run again",
     )
     parser.add_argument(
         "--ceiling-results",
@@ -242,6 +285,7 @@ def main() -> None:
                     raise SystemExit(f"--ceiling-results {args.ceiling_results}: no ceiling of {objective_name} seed {seed} there")
             elif args.ceiling_from is not None:
                 ceiling_run = earlier_run(args.ceiling_from, "sac.py", ceiling_flags, finished=False)
+                ceiling_run = ceiling_run or longer_ceiling(args.ceiling_from, ceiling_flags, args.steps)
                 if ceiling_run is None:
                     shown = shlex.join(flag for flag in ceiling_flags if flag not in ("--run-name", f"{run_name}__sac"))
                     raise SystemExit(f"--ceiling-from {args.ceiling_from}: no SAC run there started with {shown}")
@@ -280,19 +324,7 @@ def main() -> None:
         elif args.ceiling_results is not None:
             row |= ceilings_recorded[objective_name, seed]
         else:
-            ceiling_run = ceiling_runs[objective_name, seed]
-            if not (ceiling_run / "summary.json").exists():
-                raise SystemExit(f"the ceiling run {ceiling_run} has not finished (no summary.json); rerun once it has")
-            ceiling = json.loads((ceiling_run / "summary.json").read_text())
-            row |= {
-                "ceiling_run": ceiling_run.name,
-                "ceiling_objective_return": ceiling["final_objective_return"],
-                "ceiling_objective_success": ceiling.get("final_objective_success"),
-                "ceiling_env_return": ceiling["final_eval_return"],
-            }
-            row |= {f"ceiling_objective_{name}": ceiling.get(f"final_objective_{name}") for name in measures}
-            ceiling_curves = last_evaluations(ceiling_run.parent.parent, ceiling_run.name, measures)
-            row |= {f"ceiling_{key}": value for key, value in ceiling_curves.items()}
+            row |= ceiling_figures(ceiling_runs[objective_name, seed], args.steps, measures)
         row["return_ratio"] = row["objective_return"] / row["ceiling_objective_return"]
         if row["objective_return_last3"] is not None and row["ceiling_objective_return_last3"] is not None:
             row["return_ratio_last3"] = row["objective_return_last3"] / row["ceiling_objective_return_last3"]

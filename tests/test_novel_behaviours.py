@@ -80,6 +80,21 @@ def test_the_backflip_bench_runs_sac_on_the_objective_beside_each_preference_run
     assert result.returncode != 0 and "no SAC run there started with" in result.stderr and "--total-timesteps 900" in result.stderr
     assert not (tmp_path / "other").exists()
 
+    # A shorter invocation reads the 400-step ceiling at its evaluation at 200 steps: its first 200 steps are that run.
+    shorter = [*BENCH, "--steps", "200", "--workdir", str(tmp_path / "shorter"), "--output", str(tmp_path / "shorter.json")]
+    result = subprocess.run([*shorter, "--ceiling-from", str(tmp_path / "work")], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    [row] = json.loads((tmp_path / "shorter.json").read_text())["rows"]
+    at_200 = {tag: dict(values)[200] for tag, values in scalars(ceiling_run).items() if tag.startswith("eval/")}
+    assert row["ceiling_run"] == ceiling_run.name and row["steps"] == 200
+    assert row["ceiling_objective_return"] == at_200["eval/objective_return"] != ceiling["final_objective_return"]
+    assert row["ceiling_objective_success"] == at_200["eval/objective_success"]
+    assert row["ceiling_env_return"] == at_200["eval/mean_return"]
+    assert row["ceiling_objective_landed_backflips"] == at_200["eval/objective_landed_backflips"]
+    assert [step for step, _ in row["ceiling_objective_curve"]] == [200]
+    assert row["return_ratio"] == pytest.approx(row["objective_return"] / at_200["eval/objective_return"])
+    assert [run.name.endswith("__sac") for run in (tmp_path / "shorter" / "runs").iterdir()] == [False]
+
     # On a machine where that workdir is gone, the results file it wrote stands in: its ceiling figures are copied.
     recorded = [*BENCH, "--steps", "400", "--workdir", str(tmp_path / "recorded"), "--output", str(tmp_path / "recorded.json")]
     result = subprocess.run([*recorded, "--ceiling-results", str(tmp_path / "backflip.json")], capture_output=True, text=True, timeout=600)
