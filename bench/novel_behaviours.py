@@ -123,18 +123,24 @@ def evaluated_at(run: Path, step: int) -> bool:
 
 def ceiling_figures(ceiling_run: Path, steps: int, measures: tuple[str, ...]) -> dict:
     """The ceiling's figures beside a preference run of `steps` steps: from its summary where it ran exactly that
-    long, else (a longer run) from its evaluation at `steps`, as TensorBoard logged it (float32)."""
+    long, else (a longer run) from its evaluation at `steps`, the last point of its curves cut there, as TensorBoard
+    logged it (float32)."""
     workdir, name = ceiling_run.parent.parent, ceiling_run.name
+    curves = last_evaluations(workdir, name, measures, until=steps)
     total = json.loads((ceiling_run / "args.json").read_text())["total_timesteps"]
     if total == steps:
         if not (ceiling_run / "summary.json").exists():
             raise SystemExit(f"the ceiling run {ceiling_run} has not finished (no summary.json); rerun once it has")
         ceiling = json.loads((ceiling_run / "summary.json").read_text())
     else:
-        tags = {"eval_return": "eval/mean_return", "objective_return": "eval/objective_return"}
-        tags |= {"objective_success": "eval/objective_success"} | {f"objective_{n}": f"eval/objective_{n}" for n in measures}
-        at_steps = {key: [value for at, value in eval_curve(workdir, name, tag) if at == steps] for key, tag in tags.items()}
-        ceiling = {f"final_{key}": values[0] if values else None for key, values in at_steps.items()}
+
+        def at_steps(curve: list[list[float]]) -> float | None:
+            return curve[-1][1] if curve and curve[-1][0] == steps else None
+
+        returns = [[at, value] for at, value in eval_curve(workdir, name) if at <= steps]
+        ceiling = {"final_eval_return": at_steps(returns), "final_objective_return": at_steps(curves["objective_curve"])}
+        ceiling["final_objective_success"] = at_steps(curves["objective_success_curve"])
+        ceiling |= {f"final_objective_{n}": at_steps(curves[f"objective_{n}_curve"]) for n in measures}
     figures = {
         "ceiling_run": name,
         "ceiling_objective_return": ceiling["final_objective_return"],
@@ -142,7 +148,6 @@ def ceiling_figures(ceiling_run: Path, steps: int, measures: tuple[str, ...]) ->
         "ceiling_env_return": ceiling["final_eval_return"],
     }
     figures |= {f"ceiling_objective_{n}": ceiling.get(f"final_objective_{n}") for n in measures}
-    curves = last_evaluations(workdir, name, measures, until=steps)
     return figures | {f"ceiling_{key}": value for key, value in curves.items()}
 
 
