@@ -34,6 +34,16 @@ def results_path(benchmark: str, question: str, name: str) -> Path:
     return RESULTS / benchmark / question / f"{name}.json"
 
 
+def label_column(path: Path, column: str) -> np.ndarray:
+    """One column of a labels.sqlite (session, global_step, ...) per label, in read_label_file's order."""
+    import sqlite3
+
+    db = sqlite3.connect(f"file:{path.resolve()}?mode=ro", uri=True)
+    values = [row[0] for row in db.execute(f"SELECT {column} FROM labels ORDER BY id")]
+    db.close()
+    return np.array(values)
+
+
 def correlation(a: np.ndarray, b: np.ndarray) -> float | None:
     """Pearson's r of two series; None where it is undefined (fewer than three points, or either one constant)."""
     return float(np.corrcoef(a, b)[0, 1]) if len(a) > 2 and a.std() > 0 and b.std() > 0 else None

@@ -23,13 +23,12 @@ docs/benchmarks/findings/gym-mujoco.md has what it showed."""
 
 import argparse
 import json
-import sqlite3
 from pathlib import Path
 
 import gymnasium as gym
 import numpy as np
 import torch
-from common import REPO, correlation, finished_run, machine_info, print_table, results_path, task_name, write_json
+from common import REPO, correlation, finished_run, label_column, machine_info, print_table, results_path, task_name, write_json
 from frozen_reward import load_reward_model
 
 from cleanrlhf_utils.errors import need
@@ -67,14 +66,6 @@ def contrast_row(run: str, session, control, true, model, steps, labels) -> dict
     }  # fmt: skip
 
 
-def label_sessions(path: Path) -> np.ndarray:
-    """The feedback session of each label, in read_label_file's order."""
-    db = sqlite3.connect(f"file:{path.resolve()}?mode=ro", uri=True)
-    sessions = [row[0] for row in db.execute("SELECT session FROM labels ORDER BY id")]
-    db.close()
-    return np.array(sessions)
-
-
 def run_rows(workdir: Path, run: str, name: str) -> list[dict]:
     """A run's rows, named `name` in the tables: one per feedback session, then `all`."""
     env_id = finished_run(workdir, run, "--runs", files=("labels.sqlite",))["env_id"]
@@ -87,7 +78,7 @@ def run_rows(workdir: Path, run: str, name: str) -> list[dict]:
     figures = {"control": control, "true": (segments["true_rewards"] * masks).sum(-1), "steps": masks.sum(-1)}
     model, _ = load_reward_model(str(workdir / "models" / run / "latest"), env_id, obs_actions.shape[-1])
     figures["model"] = segment_returns(model, torch.as_tensor(obs_actions), torch.as_tensor(masks)).mean(0).numpy()
-    sessions = label_sessions(label_file)
+    sessions = label_column(label_file, "session")
     rows = [
         contrast_row(name, int(session), **{key: x[sessions == session] for key, x in figures.items()}, labels=labels[sessions == session])
         for session in np.unique(sessions)

@@ -582,6 +582,8 @@ MEASUREMENT_COLUMNS = {
         "model_rest",
         "model_agreement",
     ],
+    # per run and window of steps in docs/environments.md: what the labelled pairs of a run taught by an objective compared
+    "objective_labels": ["run", "window", "pairs", "one_ends", "objective_per_step", "above", "d_per_step"],
     # per policy in docs/benchmarks/findings/gym-mujoco.md: what a run's final reward model pays on each policy's episodes
     "reward_on_policies": [
         "policy",

@@ -64,7 +64,7 @@ def test_a_runs_rows_cover_its_sessions_and_read_the_envs_control_cost(bench_mod
         and pooled["session"] == "all"
         and pooled["pairs"] == len(labels) == sum(row["pairs"] for row in sessions)
     )
-    assert [row["session"] for row in sessions] == sorted({*label_contrast.label_sessions(Path("runs/source/labels.sqlite"))})
+    assert [row["session"] for row in sessions] == sorted({*label_contrast.label_column(Path("runs/source/labels.sqlite"), "session")})
     actions, masks = segments["obs_actions"][..., -3:], segments["masks"]  # Hopper: 3 actions, ctrl_cost_weight 1e-3
     expected = 1e-3 * ((actions**2).sum(-1) * masks).sum() / masks.sum()
     assert pooled["control_per_step"] == pytest.approx(expected, rel=1e-5)
