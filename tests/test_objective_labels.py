@@ -63,15 +63,17 @@ def test_a_runs_windows_hold_each_label_once_and_measure_the_objective_of_its_st
     assert pooled["one_ends"] == 0.0  # the windmill's episodes all run to the time limit
 
 
-def test_a_run_without_an_objective_is_refused_in_one_line(objective_labels, tmp_path, monkeypatch, capsys):
+def test_a_run_without_an_objective_is_refused_in_one_line_and_nothing_is_written(objective_labels, tmp_path, monkeypatch):
     run = tmp_path / "runs" / "plain"
     run.mkdir(parents=True)
     (run / "args.json").write_text(json.dumps({"env_id": WINDMILL, "teacher_objective": None}))
     (run / "labels.sqlite").write_bytes(b"")
-    monkeypatch.setattr(sys, "argv", ["objective_labels.py", "--workdir", str(tmp_path), "--runs", "plain", "--output", "x.json"])
+    output = tmp_path / "x.json"
+    common = ["objective_labels.py", "--workdir", str(tmp_path), "--runs", "plain", "--output", str(output)]
+    monkeypatch.setattr(sys, "argv", common)
     with pytest.raises(SystemExit, match="--runs plain was taught by its env's reward, not a --teacher-objective"):
         objective_labels.main()
-    monkeypatch.setattr(sys, "argv", ["objective_labels.py", "--runs", "plain", "--window", "0", "--output", "x.json"])
+    monkeypatch.setattr(sys, "argv", [*common, "--window", "0"])
     with pytest.raises(SystemExit, match="--window 0: steps per window must be > 0"):
         objective_labels.main()
-    assert not (tmp_path / "x.json").exists()
+    assert not output.exists()
