@@ -196,9 +196,6 @@ class PreferenceArgs:
     """crops keep at most segment_length - min_augmentation_offset steps"""
     qpa_query_episodes: int = 0
     """QPA: draw query segments from the last N episodes only (0: the whole buffer; QPA: 10)"""
-    qpa_query_share: float = 1.0
-    """QPA: the share of each session's queries drawn from those episodes, the rest from the whole buffer, where the
-    agent's old failures still meet its current behaviour (QPA: 1)"""
     qpa_augmentations: int = 0
     """QPA: each label also trains as this many random crops per epoch (QPA: 20)"""
     rune: bool = False
@@ -819,15 +816,12 @@ def select_queries(strategy, model, rb, num_queries: int, length: int, pool_fact
 
 def session_pairs(number: int, schedule: list[int], model: RewardEnsemble, rb: ReplayBuffer, args, rng, device) -> dict:
     """Feedback session `number`'s queries (rb.gather_segments), pairs or --clips-per-query clips, chosen by the reward
-    model as it stands, --qpa-query-share of them from the last --qpa-query-episodes episodes. The first session
-    samples uniformly: an untrained ensemble's disagreement carries no information."""
+    model as it stands. The first session samples uniformly: an untrained ensemble's disagreement carries no
+    information."""
     strategy = "uniform" if number == 1 else args.preference_sampling
     pool = (args.segment_length, args.preference_sampling_pool_factor)
-    count, clips = schedule[number - 1], args.clips_per_query
-    from_recent = round(count * args.qpa_query_share) if args.qpa_query_episodes else 0
-    parts = [(from_recent, args.qpa_query_episodes), (count - from_recent, 0)]  # (queries, episodes drawn from)
-    drawn = [select_queries(strategy, model, rb, n, *pool, rng, device, recent, clips) for n, recent in parts if n]
-    idx, mask = (np.concatenate(arrays) for arrays in zip(*drawn))
+    recent, clips = args.qpa_query_episodes, args.clips_per_query
+    idx, mask = select_queries(strategy, model, rb, schedule[number - 1], *pool, rng, device, recent, clips)
     return rb.gather_segments(idx, mask)
 
 
@@ -1004,7 +998,6 @@ PREFERENCE_RANGES = {
     "surf_tau": "in (0.5, 1)",
     "min_augmentation_offset": ">= 0",
     "qpa_query_episodes": ">= 0",
-    "qpa_query_share": "in [0, 1]",
     "qpa_augmentations": ">= 0",
     "rune_beta": ">= 0",
     "rune_beta_decay": "in [0, 1)",
@@ -1024,10 +1017,6 @@ def validate_preference_args(args) -> None:
     need(
         sample >= args.explore_knn_k,
         f"--explore-knn-sample-size must be >= --explore-knn-k ({args.explore_knn_k}), got {sample}",
-    )
-    need(
-        args.qpa_query_share == 1 or args.qpa_query_episodes > 0,
-        f"--qpa-query-share {args.qpa_query_share} needs --qpa-query-episodes N (the episodes it draws from), got 0",
     )
     check_objective_settings(args)  # the env it is for, and the settings it needs
     validate_feedback_args(args)

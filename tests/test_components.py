@@ -711,24 +711,6 @@ def test_policy_aligned_queries_come_from_the_last_episodes_only(algo):
     assert len(np.unique(rb.episode_ids[idx[..., 0]])) > 15  # without QPA: the whole buffer
 
 
-def test_a_query_share_takes_that_many_queries_from_the_last_episodes_and_the_rest_from_the_whole_buffer(algo):
-    rb = random_replay_buffer(algo, np.random.default_rng(0), n=1000, episode_length=50)  # episodes 0..19
-    model = algo.RewardEnsemble(INPUT_DIM)
-    qpa = {"segment_length": SEG_LEN, "max_augmentation_offset": 2, "min_augmentation_offset": 1, "qpa_query_episodes": 3}
-    args = algo.Args(**qpa, qpa_query_share=0.25, preference_sampling="disagree")
-    for number in (1, 2):  # the first session draws uniformly, the later ones by disagreement
-        episodes = rb.episode_ids[algo.session_pairs(number, [40, 40], model, rb, args, np.random.default_rng(1), CPU)["segment_ids"]]
-        assert episodes.shape == (40, 2) and (episodes[:10] >= 17).all()
-        assert (episodes[10:] < 17).mean() > 0.6 and len(np.unique(episodes[10:])) > 10
-    whole = algo.session_pairs(2, [40, 40], model, rb, algo.Args(**qpa), np.random.default_rng(1), CPU)
-    idx, _ = algo.select_queries("disagree", model, rb, 40, SEG_LEN, 10, np.random.default_rng(1), CPU, recent=3)
-    np.testing.assert_array_equal(whole["segment_ids"], idx[..., 0])  # share 1: QPA's queries, all from the last episodes
-    with pytest.raises(algo.ConfigError, match="--qpa-query-share 0.5 needs --qpa-query-episodes N"):
-        algo.validate_preference_args(algo.Args(qpa_query_share=0.5))
-    with pytest.raises(algo.ConfigError, match="qpa-query-share"):
-        algo.validate_preference_args(algo.Args(qpa_query_episodes=3, qpa_query_share=1.5))
-
-
 def test_hybrid_replay_mixes_exactly_the_asked_share_of_recent_slots(algo):
     rb = random_replay_buffer(algo, np.random.default_rng(0), n=1000, episode_length=50)
     recent = rb.recent_episode_slots(2)
