@@ -303,6 +303,24 @@ def person_curve(workdir: Path, run_name: str, answers: list[dict]) -> list[list
     return curve
 
 
+RUNNING_TRAINERS = []
+"""the trainer this worker process runs, for its stop signal to end"""
+
+
+def stop_trainer_and_interrupt(signum, frame) -> None:
+    """A worker's SIGINT: end its trainer first, then interrupt. The interrupt alone can land inside the browser's
+    event loop and be lost there; with its trainer gone the person's session ends and the run fails, wherever the
+    worker is."""
+    for trainer in RUNNING_TRAINERS:
+        if trainer.poll() is None:
+            trainer.kill()
+    raise KeyboardInterrupt
+
+
+def stop_trainers_on_interrupt() -> None:
+    signal.signal(signal.SIGINT, stop_trainer_and_interrupt)
+
+
 def one_run(args, seed: int, asynchronous: bool, clips: int, scale: int, labels: int) -> dict:
     mode = "async" if asynchronous else "sync"
     run_name = f"person_{mode}_{args.objective}_k{clips}{f'r{scale}' if scale else ''}_{seed}_{int(time.time())}"
@@ -313,6 +331,7 @@ def one_run(args, seed: int, asynchronous: bool, clips: int, scale: int, labels:
         DEFENCE_SCRIPTS[args.robust_labels], trainer_flags(args, seed, run_name, base, asynchronous, clips, scale, labels), args.workdir,
         log=args.workdir / f"{run_name}.log",
     )  # fmt: skip
+    RUNNING_TRAINERS.append(trainer)
     try:
         person = Person(args.person_beta, args.person_eps_mistake, tuple(args.answer_delay), seed, scale)
         shown = ShownPairs(args.workdir / "runs" / run_name / "shown_pairs.jsonl", args.objective)
@@ -320,6 +339,7 @@ def one_run(args, seed: int, asynchronous: bool, clips: int, scale: int, labels:
     finally:
         if trainer.poll() is None:
             trainer.kill()
+        RUNNING_TRAINERS.remove(trainer)
     if trainer.wait() != 0:
         raise SystemExit(f"the {mode} run failed; see {args.workdir / f'{run_name}.log'}")
     summary = read_summary(args.workdir, run_name)
@@ -515,8 +535,10 @@ def run_at_once(args, todo: list[tuple], budgets: dict, finished) -> None:
     """Runs each planned (mode, clips, scale, seed) with one_run, args.parallel at a time, each in a spawned process
     (its own token in its environment, its own browser), handing `finished` each row as its run ends. A run goes to
     the pool only when a worker is free, so that nothing is queued when the benchmark stops: stopped (Ctrl-C) or a run
-    failed, the runs still going are interrupted too, and each one_run's `finally` ends its trainer."""
-    with ProcessPoolExecutor(args.parallel, mp_context=multiprocessing.get_context("spawn")) as pool:
+    failed, the runs still going are interrupted too, and each worker's interrupt ends its trainer first."""
+    with ProcessPoolExecutor(
+        args.parallel, mp_context=multiprocessing.get_context("spawn"), initializer=stop_trainers_on_interrupt
+    ) as pool:
         running = set()
         try:
             while todo or running:
