@@ -221,6 +221,24 @@ def test_ant_raise_leg_success_is_a_share_of_the_full_episode():
     assert objectives.ant_leg_raised_share(None, None, episode)[0] == pytest.approx(0.1)
 
 
+def test_an_ant_segment_padded_past_its_end_is_read_without_a_floating_point_error():
+    """A segment that outlives its episode holds zero states on its masked steps, and check_objective probes each
+    objective on zeros: a zero quaternion is no rotation, so the Ant's objectives read it as a level torso on the
+    ground (not upright) without dividing by zero, and the real steps before it keep their values."""
+    env = gym.make("Ant-v5").unwrapped
+    env.reset(seed=0)
+    real = get_physics_state(env)
+    env.close()
+    segment = np.stack([real, real, np.zeros_like(real)])[None]  # two real steps, then the padding
+    with np.errstate(all="raise"):
+        rewards = objectives.ant_raise_leg(None, None, segment)
+        raised = objectives.ant_leg_raised_share(None, None, segment)
+        height, up = objectives.ant_front_left_foot(segment)
+    assert np.isfinite(rewards).all() and np.isfinite(raised).all()
+    assert rewards[0, 0] == rewards[0, 1] == pytest.approx(min(height[0, 0], objectives.ANT_FOOT_HEIGHT_PAID))
+    assert up[0, 2] == 1.0 and rewards[0, 2] == -1.0  # the padding's torso is at 0 m: not up
+
+
 def test_example_objective_loads_and_runs(monkeypatch):
     monkeypatch.syspath_prepend(str(EXAMPLES))
     objective = objectives.load_objective("my_objective:hop_high")

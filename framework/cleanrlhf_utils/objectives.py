@@ -292,7 +292,10 @@ def _rotation(axis, angle: Array) -> Array:
 
 
 def _quaternion_matrix(q: Array) -> Array:
-    w, x, y, z = np.moveaxis(q / np.linalg.norm(q, axis=-1, keepdims=True), -1, 0)
+    """Rotation matrices [..., 3, 3] of quaternions [..., 4] (w, x, y, z). A zero quaternion (a masked step's zero
+    state past a segment's episode end, or check_objective's probe) is read as no rotation, not divided by."""
+    norm = np.linalg.norm(q, axis=-1, keepdims=True)
+    w, x, y, z = np.moveaxis(q / np.where(norm > 0, norm, 1.0), -1, 0)
     rows = (
         (1 - 2 * (y * y + z * z), 2 * (x * y - z * w), 2 * (x * z + y * w)),
         (2 * (x * y + z * w), 1 - 2 * (x * x + z * z), 2 * (y * z - x * w)),
