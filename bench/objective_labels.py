@@ -66,8 +66,7 @@ def run_rows(workdir: Path, run: str, name: str, window: int, reward_above: floa
     if len(segments["masks"]) == 0:
         raise SystemExit(f"--runs {run} has no labels")
     masks = segments["masks"].astype(bool)
-    with np.errstate(invalid="ignore", divide="ignore"):  # masked steps hold zero states (a zero quaternion); zeroed
-        rewards = segment_rewards(objective, {**segments, "masks": masks}, segments["obs_actions"].shape[-1] - action_dim)
+    rewards = segment_rewards(objective, {**segments, "masks": masks}, segments["obs_actions"].shape[-1] - action_dim)
     starts = label_column(folder / "labels.sqlite", "global_step") // window * window
     rows = [
         window_row(

@@ -127,6 +127,7 @@ SLOW = {
     "test_run_endings.py::test_a_finished_run_says_what_it_reached_in_one_closing_line": "a run",
     "test_run_endings.py::test_the_progress_bar_shows_the_last_evaluation_once_there_is_one": "a run",
     "test_run_endings.py::test_an_interrupted_runs_summary_is_the_checkpoint_it_resumes_from": "runs, interrupted and resumed",
+    "test_rating_fit.py::test_a_rating_runs_first_sessions_are_fitted_and_measured_on_the_next": "a rating run, fits",
     # a browser, SLURM, Poetry, the docs site
     "test_feedback_page.py": "the page in Chromium",
     "test_feedback_walk.py": "human-mode runs answered through the page in Chromium",

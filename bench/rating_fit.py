@@ -1,0 +1,191 @@
+"""How well PEBBLE's reward model learns a rating run's labels, against the same labels read as the pairs they imply.
+Per run (sac_rlhf.py with --rating-scale and a --teacher-objective), from its labels.sqlite (nothing is relabelled):
+the reward model the run's settings describe is fitted by sac_rlhf.train_reward_model to the queries of its first
+--train-sessions sessions, then measured on the clips of the next --test-sessions sessions against the objective:
+
+- `ratings`: the ratings themselves, by the ordered logit with the cut points the script starts with (a return apart);
+- `ratings_gap_G`: the same, with the cut points started G returns apart (--cut-gaps; `span`: evenly over the middle
+  half of the returns the model can give, segment_length apart end to end);
+- `pairs`: the pairs of clips the ratings order (cleanrlhf_utils.ratings.rating_pair_labels, equal ratings a tie),
+  learned by Bradley-Terry as a pair run learns its labels: the baseline, from the same answers.
+
+Columns: `train_accuracy` (of ratings: the share of rated clips whose most likely rating is the one given; of pairs: the
+pairs ordered as labelled), `segment_correlation` (the model's return of each test clip against the objective's) and
+`pair_accuracy` (the test queries' clips ordered as the objective orders them, its ties left out). SURF is off in every
+fit (its pseudo-labels draw from the run's replay buffer, which the labels file does not hold); a fit's torch seed is
+--seed, so a rerun gives the same numbers.
+
+    python bench/rating_fit.py --workdir bench/workdir/novel_behaviours --runs <run> <run> <run> --train-sessions 8 \\
+        --test-sessions 2 --cut-gaps 3 span --output bench/results/rating_fit/objectives/ant-raise-leg.json
+
+docs/environments.md has what it showed for the Ant raising a leg."""
+
+import argparse
+import concurrent.futures
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import gymnasium as gym
+import numpy as np
+import torch
+from common import REPO, correlation, label_column, machine_info, print_table, results_path, spread, write_json
+
+import sac_rlhf
+from cleanrlhf_utils.feedback import read_label_file
+from cleanrlhf_utils.objectives import load_objective, segment_rewards
+from cleanrlhf_utils.rankings import clip_pairs
+from cleanrlhf_utils.ratings import rating_pair_labels
+
+COLUMNS = ["run", "fit", "train_queries", "epochs", "train_accuracy", "segment_correlation", "pair_accuracy"]
+MEASURES = ("train_accuracy", "segment_correlation", "pair_accuracy")
+
+
+def read_run(workdir: Path, run: str) -> dict:
+    """A rating run's settings, labelled clips, their labels and sessions, and the objective's return of each clip."""
+    folder = workdir / "runs" / run
+    if not (folder / "labels.sqlite").exists():
+        raise SystemExit(f"--runs {run}: {folder / 'labels.sqlite'} is missing (a run's labels live there)")
+    settings = json.loads((folder / "args.json").read_text())
+    if not settings.get("rating_scale"):
+        raise SystemExit(f"--runs {run} compared or ranked its clips (rating_scale 0): it holds no ratings to fit")
+    if not settings.get("teacher_objective"):
+        raise SystemExit(f"--runs {run} was taught by its env's reward, not a --teacher-objective: nothing to measure against")
+    objective = load_objective(settings["teacher_objective"])
+    env = gym.make(settings["env_id"])
+    action_dim = env.action_space.shape[0]
+    env.close()
+    segments, labels = read_label_file(folder / "labels.sqlite")
+    obs_dim = segments["obs_actions"].shape[-1] - action_dim
+    returns = segment_rewards(objective, {**segments, "masks": segments["masks"].astype(bool)}, obs_dim).sum(-1)
+    sessions = label_column(folder / "labels.sqlite", "session")
+    return {"settings": settings, "segments": segments, "labels": labels, "sessions": sessions, "returns": returns}
+
+
+def split_sessions(sessions: np.ndarray, train: int, test: int, run: str) -> tuple[np.ndarray, np.ndarray]:
+    """The queries of the first `train` sessions and of the `test` sessions after them: two boolean masks."""
+    order = np.unique(sessions)
+    if len(order) < train + test:
+        raise SystemExit(
+            f"--runs {run} has {len(order)} sessions of labels; --train-sessions {train} and --test-sessions {test} need {train + test}"
+        )
+    return np.isin(sessions, order[:train]), np.isin(sessions, order[train : train + test])
+
+
+def as_pairs(segments: dict, labels: np.ndarray, clips: int, scale: int) -> tuple[dict, np.ndarray]:
+    """The pairs of clips each rated query orders, as pair queries: segments (N P, 2, ...) and labels (N P,)."""
+    first, second = clip_pairs(clips)
+    pairs = {name: np.stack([value[:, first], value[:, second]], 2) for name, value in segments.items()}
+    pairs = {name: value.reshape(-1, *value.shape[2:]) for name, value in pairs.items()}
+    return pairs, rating_pair_labels(labels, clips, scale).reshape(-1)
+
+
+def start_cuts(model: sac_rlhf.RewardEnsemble, gap: float) -> None:
+    """The ordered logit's cut points started `gap` returns apart, centred on 0 (the script's own start: 1 apart)."""
+    with torch.no_grad():
+        model.rating_cut_parameters[:, :1] = -(model.rating_scale - 2) / 2 * gap
+        model.rating_cut_parameters[:, 1:] = math.log(math.expm1(gap))  # the softplus of it is the gap
+
+
+def fit_gap(fit: str, segment_length: int, scale: int) -> float | None:
+    """The cut points' starting gap of a fit's name: none for `pairs`, 1 for `ratings`, G for `ratings_gap_G`."""
+    if fit == "pairs":
+        return None
+    gap = fit.removeprefix("ratings").removeprefix("_gap_") or "1"
+    return segment_length / max(scale - 2, 1) if gap == "span" else float(gap)
+
+
+def fit_row(workdir: Path, run: str, fit: str, train_sessions: int, test_sessions: int, seed: int) -> dict:
+    """One fit of one run's first sessions, measured on the next ones."""
+    torch.set_num_threads(1)
+    data = read_run(workdir, run)
+    settings, segments, labels = data["settings"], data["segments"], data["labels"]
+    train, test = split_sessions(data["sessions"], train_sessions, test_sessions, run)
+    scale, clips, length = settings["rating_scale"], segments["masks"].shape[1], segments["masks"].shape[-1]
+    known = {field.name for field in dataclasses.fields(sac_rlhf.Args)}
+    args = sac_rlhf.Args(**{key: value for key, value in settings.items() if key in known})
+    args = dataclasses.replace(args, surf=False, reward_net_normalize_inputs=False)
+    fitted = {name: value[train] for name, value in segments.items()}
+    fitted_labels, gap = labels[train], fit_gap(fit, length, scale)
+    if gap is None:
+        fitted, fitted_labels = as_pairs(fitted, fitted_labels, clips, scale)
+        args = dataclasses.replace(args, rating_scale=0, clips_per_query=2)
+    torch.manual_seed(seed)
+    input_dim = segments["obs_actions"].shape[-1]
+    model = sac_rlhf.RewardEnsemble.from_args(input_dim, args)
+    if settings.get("reward_net_normalize_inputs"):  # the run's statistics came from its buffer: the clips' stand in
+        model.set_input_statistics(fitted["obs_actions"][fitted["masks"].astype(bool)])
+    if gap is not None:
+        start_cuts(model, gap)
+    prefs = sac_rlhf.PreferenceBuffer(length, input_dim, segments["physics_states"].shape[-1], fitted["masks"].shape[1])
+    arrays = (fitted["obs_actions"], fitted["masks"], fitted["true_rewards"], fitted["physics_states"])
+    prefs.add(*arrays, fitted_labels, np.zeros(len(fitted_labels), bool), 0)
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.reward_net_lr)
+    cpu = torch.device("cpu")
+    stats = sac_rlhf.train_reward_model(model, optimizer, prefs, None, args, np.random.default_rng(seed), cpu)
+    model.eval()
+    with torch.no_grad():
+        steps = torch.as_tensor(segments["obs_actions"][test])
+        returns = (model(steps).mean(0) * torch.as_tensor(segments["masks"][test], dtype=torch.float32)).sum(-1).numpy()
+    truth = data["returns"][test]
+    first, second = clip_pairs(clips)
+    decided = truth[:, first] != truth[:, second]
+    agree = (returns[:, second] > returns[:, first]) == (truth[:, second] > truth[:, first])
+    return {
+        "run": run,
+        "fit": fit,
+        "train_queries": int(train.sum()),
+        "epochs": stats["epochs"],
+        "train_accuracy": sac_rlhf.preference_accuracy(model, prefs, np.arange(len(prefs)), cpu),
+        "segment_correlation": correlation(returns.ravel(), truth.ravel()),
+        "pair_accuracy": float(agree[decided].mean()) if decided.any() else None,
+    }
+
+
+def fmt_median(figures: dict) -> str:
+    return "-" if figures["median"] is None else f"{figures['median']:.2f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workdir", type=Path, default=REPO / "bench" / "workdir", help="holds runs/<run>")
+    parser.add_argument("--runs", nargs="+", required=True, help="sac_rlhf.py rating runs under --workdir/runs")
+    parser.add_argument("--train-sessions", type=int, default=8, help="the first sessions whose labels are fitted (> 0)")
+    parser.add_argument("--test-sessions", type=int, default=2, help="the sessions after them the fit is measured on (> 0)")
+    parser.add_argument("--cut-gaps", nargs="*", default=[], help="also fit the ratings with the cut points this far apart")
+    parser.add_argument("--seed", type=int, default=0, help="the torch and sampling seed of every fit")
+    parser.add_argument("--parallel", type=int, default=1, help="fits at once, one core each")
+    parser.add_argument("--output", type=Path, default=None, help="the JSON file (default: rating_fit/objectives/<objective>.json)")
+    args = parser.parse_args()
+    for flag, value in (("--train-sessions", args.train_sessions), ("--test-sessions", args.test_sessions), ("--parallel", args.parallel)):
+        if value <= 0:
+            raise SystemExit(f"{flag} {value}: must be > 0")
+    for gap in args.cut_gaps:
+        if gap != "span" and not (gap.replace(".", "", 1).isdigit() and float(gap) > 0):
+            raise SystemExit(f"--cut-gaps {gap}: a gap is a return > 0, or span")
+    for run in args.runs:
+        read_run(args.workdir, run)  # every run refused before any fit starts
+    fits = ["pairs", "ratings", *(f"ratings_gap_{gap}" for gap in args.cut_gaps)]
+    jobs = [(run, fit) for run in args.runs for fit in fits]
+    with concurrent.futures.ProcessPoolExecutor(args.parallel) as pool:
+        futures = [pool.submit(fit_row, args.workdir, run, fit, args.train_sessions, args.test_sessions, args.seed) for run, fit in jobs]
+        rows = [future.result() for future in futures]
+    print_table(rows, COLUMNS)
+    medians = {fit: {name: spread([r[name] for r in rows if r["fit"] == fit]) for name in MEASURES} for fit in fits}
+    for fit in fits:
+        print(f"{fit}: " + ", ".join(f"{name} median {fmt_median(medians[fit][name])}" for name in MEASURES))
+    objective = json.loads((args.workdir / "runs" / args.runs[0] / "args.json").read_text())["teacher_objective"]
+    args.output = args.output or results_path("rating_fit", "objectives", objective)
+    command = (
+        f"python bench/rating_fit.py --workdir {args.workdir} --runs {' '.join(args.runs)} --train-sessions "
+        f"{args.train_sessions} --test-sessions {args.test_sessions}"
+        + (f" --cut-gaps {' '.join(args.cut_gaps)}" if args.cut_gaps else "")
+        + f" --seed {args.seed} --output {args.output}"
+    )
+    payload = {"benchmark": "rating_fit", "command": command, "machine": machine_info(), "runs": args.runs}
+    write_json(args.output, payload | {"rows": rows, "medians": medians})
+
+
+if __name__ == "__main__":
+    main()
