@@ -16,7 +16,7 @@ fit (its pseudo-labels draw from the run's replay buffer, which the labels file 
 --seed, so a rerun gives the same numbers.
 
     python bench/rating_fit.py --workdir bench/workdir/novel_behaviours --runs <run> <run> <run> --train-sessions 8 \\
-        --test-sessions 2 --cut-gaps 3 span --output bench/results/rating_fit/objectives/ant-raise-leg.json
+        --test-sessions 2 --cut-gaps span --output bench/results/rating_fit/objectives/ant-raise-leg-rating-fit.json
 
 docs/environments.md has what it showed for the Ant raising a leg."""
 
@@ -156,7 +156,9 @@ def main() -> None:
     parser.add_argument("--cut-gaps", nargs="*", default=[], help="also fit the ratings with the cut points this far apart")
     parser.add_argument("--seed", type=int, default=0, help="the torch and sampling seed of every fit")
     parser.add_argument("--parallel", type=int, default=1, help="fits at once, one core each")
-    parser.add_argument("--output", type=Path, default=None, help="the JSON file (default: rating_fit/objectives/<objective>.json)")
+    parser.add_argument(
+        "--output", type=Path, default=None, help="the JSON file (default: rating_fit/objectives/<objective>-rating-fit.json)"
+    )
     args = parser.parse_args()
     for flag, value in (("--train-sessions", args.train_sessions), ("--test-sessions", args.test_sessions), ("--parallel", args.parallel)):
         if value <= 0:
@@ -176,7 +178,7 @@ def main() -> None:
     for fit in fits:
         print(f"{fit}: " + ", ".join(f"{name} median {fmt_median(medians[fit][name])}" for name in MEASURES))
     objective = json.loads((args.workdir / "runs" / args.runs[0] / "args.json").read_text())["teacher_objective"]
-    args.output = args.output or results_path("rating_fit", "objectives", objective)
+    args.output = args.output or results_path("rating_fit", "objectives", f"{objective}-rating-fit")
     command = (
         f"python bench/rating_fit.py --workdir {args.workdir} --runs {' '.join(args.runs)} --train-sessions "
         f"{args.train_sessions} --test-sessions {args.test_sessions}"
