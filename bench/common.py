@@ -44,6 +44,37 @@ def label_column(path: Path, column: str) -> np.ndarray:
     return np.array(values)
 
 
+def objective_run_labels(workdir: Path, run: str, refuse=None) -> tuple[dict, dict, np.ndarray, np.ndarray]:
+    """A run taught by a --teacher-objective, from --workdir/runs/<run>: its settings (args.json), labelled segments and
+    labels (read_label_file) and the objective's reward of each of their steps (N, k, L), zero where masked. A run
+    without labels.sqlite or an objective is refused in one line, as is one `refuse(settings)` names a reason for
+    (checked before the labels are read)."""
+    import gymnasium as gym
+
+    from cleanrlhf_utils.feedback import read_label_file
+    from cleanrlhf_utils.objectives import load_objective, segment_rewards
+
+    folder = workdir / "runs" / run
+    if not (folder / "labels.sqlite").exists():
+        raise SystemExit(f"--runs {run}: {folder / 'labels.sqlite'} is missing (a run's labels live there)")
+    settings = json.loads((folder / "args.json").read_text())
+    if not settings.get("teacher_objective"):
+        raise SystemExit(f"--runs {run} was taught by its env's reward, not a --teacher-objective: its labels judge no objective")
+    reason = refuse(settings) if refuse else None
+    if reason:
+        raise SystemExit(f"--runs {run} {reason}")
+    objective = load_objective(settings["teacher_objective"])
+    env = gym.make(settings["env_id"])  # a "module:Id" env: gym.make imports the module that registers it
+    action_dim = env.action_space.shape[0]
+    env.close()
+    segments, labels = read_label_file(folder / "labels.sqlite")
+    if len(segments["masks"]) == 0:
+        raise SystemExit(f"--runs {run} has no labels")
+    masks = segments["masks"].astype(bool)
+    rewards = segment_rewards(objective, {**segments, "masks": masks}, segments["obs_actions"].shape[-1] - action_dim)
+    return settings, segments, labels, rewards
+
+
 def correlation(a: np.ndarray, b: np.ndarray) -> float | None:
     """Pearson's r of two series; None where it is undefined (fewer than three points, or either one constant)."""
     return float(np.corrcoef(a, b)[0, 1]) if len(a) > 2 and a.std() > 0 and b.std() > 0 else None

@@ -19,12 +19,8 @@ import argparse
 import json
 from pathlib import Path
 
-import gymnasium as gym
 import numpy as np
-from common import REPO, label_column, machine_info, print_table, results_path, write_json
-
-from cleanrlhf_utils.feedback import read_label_file
-from cleanrlhf_utils.objectives import load_objective, segment_rewards
+from common import REPO, label_column, machine_info, objective_run_labels, print_table, results_path, write_json
 
 COLUMNS = ["run", "window", "pairs", "one_ends", "objective_per_step", "above", "d_per_step"]
 
@@ -52,22 +48,9 @@ def window_row(run: str, window: str, rewards: np.ndarray, masks: np.ndarray, re
 
 def run_rows(workdir: Path, run: str, name: str, window: int, reward_above: float) -> list[dict]:
     """A run's rows, named `name` in the tables: one per window of `window` steps holding labels, then `all`."""
-    folder = workdir / "runs" / run
-    if not (folder / "labels.sqlite").exists():
-        raise SystemExit(f"--runs {run}: {folder / 'labels.sqlite'} is missing (a run's labels live there)")
-    settings = json.loads((folder / "args.json").read_text())
-    if not settings.get("teacher_objective"):
-        raise SystemExit(f"--runs {run} was taught by its env's reward, not a --teacher-objective: its labels judge no objective")
-    objective = load_objective(settings["teacher_objective"])
-    env = gym.make(settings["env_id"])  # a "module:Id" env: gym.make imports the module that registers it
-    action_dim = env.action_space.shape[0]
-    env.close()
-    segments, _ = read_label_file(folder / "labels.sqlite")
-    if len(segments["masks"]) == 0:
-        raise SystemExit(f"--runs {run} has no labels")
+    _, segments, _, rewards = objective_run_labels(workdir, run)
     masks = segments["masks"].astype(bool)
-    rewards = segment_rewards(objective, {**segments, "masks": masks}, segments["obs_actions"].shape[-1] - action_dim)
-    starts = label_column(folder / "labels.sqlite", "global_step") // window * window
+    starts = label_column(workdir / "runs" / run / "labels.sqlite", "global_step") // window * window
     rows = [
         window_row(
             name, f"{steps_text(start)}–{steps_text(start + window)}", rewards[starts == start], masks[starts == start], reward_above

@@ -27,14 +27,21 @@ import json
 import math
 from pathlib import Path
 
-import gymnasium as gym
 import numpy as np
 import torch
-from common import REPO, correlation, label_column, machine_info, print_table, results_path, spread, write_json
+from common import (
+    REPO,
+    correlation,
+    label_column,
+    machine_info,
+    objective_run_labels,
+    print_table,
+    results_path,
+    spread,
+    write_json,
+)
 
 import sac_rlhf
-from cleanrlhf_utils.feedback import read_label_file
-from cleanrlhf_utils.objectives import load_objective, segment_rewards
 from cleanrlhf_utils.rankings import clip_pairs
 from cleanrlhf_utils.ratings import rating_pair_labels
 
@@ -42,24 +49,16 @@ COLUMNS = ["run", "fit", "train_queries", "epochs", "train_accuracy", "segment_c
 MEASURES = ("train_accuracy", "segment_correlation", "pair_accuracy")
 
 
+def without_ratings(settings: dict) -> str | None:
+    """Why a run's labels are no ratings to fit (None: they are)."""
+    return None if settings.get("rating_scale") else "compared or ranked its clips (rating_scale 0): it holds no ratings to fit"
+
+
 def read_run(workdir: Path, run: str) -> dict:
     """A rating run's settings, labelled clips, their labels and sessions, and the objective's return of each clip."""
-    folder = workdir / "runs" / run
-    if not (folder / "labels.sqlite").exists():
-        raise SystemExit(f"--runs {run}: {folder / 'labels.sqlite'} is missing (a run's labels live there)")
-    settings = json.loads((folder / "args.json").read_text())
-    if not settings.get("rating_scale"):
-        raise SystemExit(f"--runs {run} compared or ranked its clips (rating_scale 0): it holds no ratings to fit")
-    if not settings.get("teacher_objective"):
-        raise SystemExit(f"--runs {run} was taught by its env's reward, not a --teacher-objective: nothing to measure against")
-    objective = load_objective(settings["teacher_objective"])
-    env = gym.make(settings["env_id"])
-    action_dim = env.action_space.shape[0]
-    env.close()
-    segments, labels = read_label_file(folder / "labels.sqlite")
-    obs_dim = segments["obs_actions"].shape[-1] - action_dim
-    returns = segment_rewards(objective, {**segments, "masks": segments["masks"].astype(bool)}, obs_dim).sum(-1)
-    sessions = label_column(folder / "labels.sqlite", "session")
+    settings, segments, labels, rewards = objective_run_labels(workdir, run, without_ratings)
+    returns = rewards.sum(-1)
+    sessions = label_column(workdir / "runs" / run / "labels.sqlite", "session")
     return {"settings": settings, "segments": segments, "labels": labels, "sessions": sessions, "returns": returns}
 
 
