@@ -51,6 +51,16 @@ def test_a_gif_holds_the_frames_its_settings_say_and_the_same_seed_gives_the_sam
     assert again.read_bytes() == gif.read_bytes()
     (later,) = gallery.main(gallery.Args(out_dir=str(tmp_path / "c"), **settings | {"seed": 1}))
     assert later.read_bytes() != gif.read_bytes()
+    # An entry that names its filmed episode is filmed on it unless --seed says otherwise.
+    shipped = tmp_path / "policies"
+    shipped.mkdir()
+    shutil.copy(POLICIES / "windmill-clockwise-pebble.pt", shipped)
+    entry = read_manifest(POLICIES)["windmill-clockwise-pebble.pt"] | {"film_seed": 1}
+    (shipped / "manifest.json").write_text(json.dumps({"windmill-clockwise-pebble.pt": entry}))
+    (named,) = gallery.main(gallery.Args(policies=str(shipped), out_dir=str(tmp_path / "d"), **settings))
+    assert named.read_bytes() == later.read_bytes()
+    (overridden,) = gallery.main(gallery.Args(policies=str(shipped), out_dir=str(tmp_path / "e"), **settings | {"seed": 0}))
+    assert overridden.read_bytes() == gif.read_bytes()
 
 
 def test_the_track_camera_follows_the_robot_where_the_side_camera_stays_put():
@@ -109,7 +119,7 @@ def test_the_shipped_policies_say_who_taught_them():
     taught = {name: (entry["taught_by"], entry["labels"]) for name, entry in manifest.items()}
     assert taught["hopper-landed-backflip-sac.pt"] == taught["ant-raise-leg-sac.pt"] == ("objective-ceiling", 0)
     assert taught["windmill-clockwise-pebble.pt"] == taught["windmill-counterclockwise-pebble.pt"] == ("synthetic-teacher", 44)
-    assert taught["halfcheetah-pebble.pt"] == ("synthetic-teacher", 500)
+    assert taught["halfcheetah-pebble.pt"] == taught["ant-raise-leg-pebble.pt"] == ("synthetic-teacher", 500)
 
 
 def test_bad_names_missing_policies_and_bad_captions_are_refused_in_one_line(tmp_path):

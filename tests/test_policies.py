@@ -72,7 +72,7 @@ def test_an_exported_checkpoint_evaluates_as_recorded(chdir_tmp):
     entry = export_policy.main(
         export_policy.Args(
             "models/flip/latest", "flip", "a test", "Hopper flipping", "objective-ceiling",
-            episodes=2, check_episodes=1, commit="abc1234", out_dir="shipped",
+            episodes=2, check_episodes=1, commit="abc1234", out_dir="shipped", film_seed=3,
         )
     )  # fmt: skip
     weights, actor = (
@@ -84,6 +84,7 @@ def test_an_exported_checkpoint_evaluates_as_recorded(chdir_tmp):
     assert (entry["actor_hidden_dim"], entry["terminate_when_unhealthy"], entry["terminate_when_tilted"]) == (32, False, False)
     assert entry["measure"]["objective_measures"].keys() == {"torso_high_backflips"}
     assert (entry["behaviour"], entry["taught_by"]) == ("Hopper flipping", "objective-ceiling")  # the gallery's caption
+    assert entry["film_seed"] == 3 and entry["measure"]["seed"] == 0  # the gallery films an episode the measure did not
     again = evaluation.main(evaluation.Args(policy="shipped/flip.pt", episodes=2))
     for key in ("returns", "objective_returns", "objective_successes", "objective_measures_per_episode"):
         assert again[key] == entry["measure"][key], key

@@ -58,6 +58,8 @@ class Args:
     """the first evaluation episode's seed"""
     camera: str = "side"
     """the view evaluation.py --video uses for it (env, side)"""
+    film_seed: int | None = None
+    """the episode the README gallery films (toolbox/gallery.py; default: --seed, the first one measured)"""
     out_dir: str = str(REPO / "policies")
     """where the .pt and manifest.json go"""
 
@@ -75,6 +77,7 @@ def entry_for(checkpoint: dict, args: Args) -> dict:
         "terminate_when_unhealthy": trained["terminate_when_unhealthy"],
         "terminate_when_tilted": trained["terminate_when_tilted"],
         "camera": args.camera,
+        "film_seed": args.seed if args.film_seed is None else args.film_seed,
         "setting": args.setting,
         "behaviour": args.behaviour,
         "taught_by": args.taught_by,

@@ -32,8 +32,8 @@ class Args:
     """the folder of the shipped policies and their manifest.json"""
     out_dir: str = str(REPO / GALLERY)
     """where <name>.gif goes"""
-    seed: int = 0
-    """the filmed episode's seed"""
+    seed: int | None = None
+    """the filmed episode's seed (default: each entry's film_seed, 0 where it records none)"""
     start: float = 0.0
     """seconds into the episode where the GIF starts"""
     seconds: float = 3.0
@@ -72,7 +72,7 @@ def episode_states(policy_file: Path, entry: dict, seed: int) -> list[np.ndarray
 def film(policy_file: Path, entry: dict, gif: Path, args: Args) -> int:
     """Writes the policy's GIF: the episode's states from --start for --seconds, every n-th re-rendered from the entry's
     camera. Returns the number of frames."""
-    states = episode_states(policy_file, entry, args.seed)
+    states = episode_states(policy_file, entry, entry.get("film_seed", 0) if args.seed is None else args.seed)
     renderer = SegmentRenderer(entry["env_id"], args.width, args.height, camera=entry["camera"])
     try:
         step = max(1, round(renderer.fps / args.fps))
