@@ -16,6 +16,10 @@ With --algorithm ppo: PrefPPO (pref_ppo.py) vs PPO (ppo.py), same label budget a
         --oracle-from bench/results/feedback_efficiency/noisy-teachers/hopper-50k-oracle.json
         # a noisy teacher (B-Pref's flags) and a defence; oracle_ratio: against the oracle teacher's runs of the same
         # setting at the same step (longer runs are read at this invocation's last evaluation)
+    python bench/feedback_efficiency.py --env-id ant_without_contact_forces:AntWithoutContactForces-v5 \\
+        --no-terminate-when-unhealthy --variant norm-reset-std1-linear --labels 500 --sessions 16 \\
+        --teacher-objective ant_without_contact_forces:walking
+        # a teacher who labels by an objective (what a person sees of the task); both runs measured on the env's reward
     python bench/feedback_efficiency.py --algorithm ppo --env-id CartPole-v1 --steps 100000 --explore-steps 0 \\
         --feedback-frequency 5000 --evaluation-frequency 5000 --seeds 1 2 3 --target-return 400
 
@@ -59,6 +63,9 @@ from common import (
     task_name,
     write_json,
 )
+
+from cleanrlhf_utils.errors import ConfigError
+from cleanrlhf_utils.objectives import load_objective
 
 # (preference-based script, its short name, baseline script, its short name) per --algorithm.
 ALGORITHMS = {"sac": ("sac_rlhf.py", "pebble", "sac.py", "sac"), "ppo": ("pref_ppo.py", "pref_ppo", "ppo.py", "ppo")}
@@ -165,9 +172,22 @@ def default_output(args) -> Path:
     task = task_name(args.env_id) + ("" if args.terminate_when_unhealthy else "-no-fall-end")
     if args.algorithm == "ppo":
         return results_path("feedback_efficiency", "pref-ppo", task)
+    if objective_flags(args):
+        return results_path("feedback_efficiency", task, f"{args.variant}-teacher-{objective_stem(args.teacher_objective)}")
     if teacher_flags(args):
         return results_path("feedback_efficiency", "noisy-teachers", f"{task}-{args.variant}-{args.labels}-{args.robust_labels}")
     return results_path("feedback_efficiency", task, args.variant)
+
+
+def objective_stem(objective: str) -> str:
+    """A teacher objective's name in a file name: `walking` of ant_without_contact_forces:walking."""
+    return objective.rpartition(":")[2].replace("_", "-")
+
+
+def objective_flags(args) -> list[str]:
+    """--teacher-objective: the preference run's teacher labels by it; both runs are still measured on the env's reward."""
+    objective = getattr(args, "teacher_objective", "")  # benchmarks that share pebble_flags may not offer it
+    return ["--teacher-objective", objective] if objective else []
 
 
 def teacher_flags(args) -> list[str]:
@@ -198,6 +218,7 @@ def pebble_flags(args, seed: int, run_name: str) -> list[str]:
         "--teacher-feedback-frequency", str(args.feedback_frequency),
         "--evaluation-frequency", str(args.evaluation_frequency), "--evaluation-episodes", str(args.evaluation_episodes),
         "--checkpoint-frequency", str(args.checkpoint_frequency), *variant_flags(args.variant, args.env_id), *teacher_flags(args),
+        *objective_flags(args),
         *(SAC_ENV_FLAGS.get(args.env_id, []) if args.algorithm == "sac" else []), *termination_flags(args),
     ]  # fmt: skip
 
@@ -404,6 +425,11 @@ def main() -> None:
     parser.add_argument("--teacher-eps-mistake", type=float, default=0.0, help="the synthetic teacher flips this share of labels")
     parser.add_argument("--teacher-beta", type=float, default=-1.0, help="beta-rational teacher (Bradley-Terry sampling); -1: oracle")
     parser.add_argument(
+        "--teacher-objective", default="",
+        help="the synthetic teacher labels by this objective (a built-in name or module:function) instead of the env's reward; "
+        "both runs are still measured on the env's reward",
+    )  # fmt: skip
+    parser.add_argument(
         "--robust-labels",
         choices=sorted(DEFENCE_SCRIPTS),
         default="none",
@@ -451,6 +477,11 @@ def main() -> None:
         if getattr(args, name) != default and inert(name, vars(args)):
             flag, needed = "--" + name.replace("_", "-"), acts_only_with(name)
             parser.error(f"{flag} {getattr(args, name)} only acts with --robust-labels {needed}, got {args.robust_labels}")
+    if args.teacher_objective:
+        try:
+            load_objective(args.teacher_objective)
+        except ConfigError as error:
+            parser.error(str(error))
     if args.output is None:
         args.output = default_output(args)
     rlhf_script, rlhf, base_script, base = ALGORITHMS[args.algorithm]

@@ -13,6 +13,8 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+import gymnasium as gym
+import numpy as np
 import pytest
 import tyro
 
@@ -208,7 +210,7 @@ def bench_settings(**changes):
     settings = dict(
         algorithm="sac", env_id="CartPole-v1", steps=100_000, labels=200, sessions=10, feedback_frequency=5000,
         explore_steps=10_000, evaluation_frequency=10_000, evaluation_episodes=10, variant="pebble",
-        checkpoint_frequency=10_000, terminate_when_unhealthy=True,
+        checkpoint_frequency=10_000, terminate_when_unhealthy=True, teacher_objective="",
     )  # fmt: skip
     return argparse.Namespace(**(settings | changes))
 
@@ -303,6 +305,62 @@ def test_feedback_efficiency_ends_no_episode_on_a_fall_on_both_sides_when_asked(
     assert (
         feedback_efficiency.default_output(bench_settings(env_id="Ant-v5", terminate_when_unhealthy=False)).parent.name == "ant-no-fall-end"
     )
+
+
+def test_feedback_efficiency_lets_a_teacher_label_by_an_objective_and_measures_both_runs_on_the_envs_reward(capsys):
+    """--teacher-objective reaches the preference run alone (SAC's run learns the env's reward, which both are measured
+    on), names the default output by the objective, and an objective that does not load is refused in one line."""
+    from cleanrlhf_utils.cli import command_line_args
+
+    walking = "ant_without_contact_forces:walking"
+    env = "ant_without_contact_forces:AntWithoutContactForces-v5"
+    settings = bench_settings(env_id=env, terminate_when_unhealthy=False, variant="norm-reset-std1-linear", teacher_objective=walking)
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        from common import script_module
+
+        preference = command_line_args(script_module("sac_rlhf.py").Args, feedback_efficiency.pebble_flags(settings, 1, "a"))
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+    assert preference.teacher_objective == walking
+    assert "--teacher-objective" not in feedback_efficiency.baseline_flags(settings, 1, "b")
+    output = feedback_efficiency.default_output(settings)
+    assert (output.parent.name, output.name) == ("antwithoutcontactforces-no-fall-end", "norm-reset-std1-linear-teacher-walking.json")
+    result = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "feedback_efficiency.py"), "--teacher-objective", "ant_without_contact_forces:walkng"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert (
+        result.stderr.strip()
+        .splitlines()[-1]
+        .endswith("--teacher-objective ant_without_contact_forces:walkng: module ant_without_contact_forces has no function walkng")
+    )
+
+
+def test_the_walking_objective_is_the_ants_reward_without_its_control_and_contact_costs():
+    """On a real Ant-v5 episode of random actions, with no end on a fall: each step's `walking` is the env's reward
+    plus the control and contact costs it subtracts, up to the difference between the torso's speed at the step's
+    start and its mean speed over the step; over 50-step clips, which the teacher compares, the two agree closely."""
+    import mujoco
+
+    ant = bench_module("ant_without_contact_forces")
+    env = gym.make("Ant-v5", terminate_when_unhealthy=False)
+    env.reset(seed=0)
+    model, data = env.unwrapped.model, env.unwrapped.data
+    rng = np.random.default_rng(0)
+    states, seen = [], []
+    for _ in range(300):
+        state = np.zeros(mujoco.mj_stateSize(model, mujoco.mjtState.mjSTATE_FULLPHYSICS))
+        mujoco.mj_getState(model, data, state, mujoco.mjtState.mjSTATE_FULLPHYSICS)
+        states.append(state)
+        _, reward, _, _, info = env.step(rng.uniform(-1, 1, 8))
+        seen.append(reward - info["reward_ctrl"] - info["reward_contact"])
+    env.close()
+    walking, seen = ant.walking(None, None, np.array(states)[None])[0], np.array(seen)
+    assert np.corrcoef(walking, seen)[0, 1] > 0.9
+    clips = walking.reshape(6, 50).sum(1), seen.reshape(6, 50).sum(1)
+    assert np.corrcoef(*clips)[0, 1] > 0.99 and np.abs(clips[0] - clips[1]).max() < 0.05 * np.abs(clips[1]).max() + 1
 
 
 def test_a_variant_that_changes_the_algorithm_runs_its_own_script_with_the_variants_flags():
