@@ -44,13 +44,19 @@ class Args:
 
 
 def candidate_env_ids() -> list[str]:
-    """Every Gymnasium MuJoCo v5 id, every dm_control task shimmy registers and every Meta-World v3 task."""
+    """Every Gymnasium MuJoCo v5 id, every dm_control task shimmy registers and every Meta-World v3 task. A Gymnasium
+    id names its own class (Ant-v5: gymnasium.envs.mujoco.ant_v5:AntEnv); a variant another module registered on one
+    of those classes in this process (a benchmark's, say) is not one."""
     import shimmy
 
     from cleanrlhf_utils.envs import metaworld_env_ids
 
+    def gymnasium_mujoco(name: str, entry_point: str) -> bool:
+        module, _, env_class = entry_point.rpartition(":")
+        return module.startswith("gymnasium.envs.mujoco.") and f"{env_class.removesuffix('Env')}-v5" == name
+
     gym.register_envs(shimmy)
-    mujoco_ids = sorted(name for name, spec in gym.registry.items() if name.endswith("-v5") and "mujoco" in str(spec.entry_point))
+    mujoco_ids = sorted(name for name, spec in gym.registry.items() if gymnasium_mujoco(name, str(spec.entry_point)))
     dmc_ids = sorted(name for name in gym.registry if name.startswith("dm_control/") and name != "dm_control/compatibility-env-v0")
     return mujoco_ids + dmc_ids + metaworld_env_ids()
 

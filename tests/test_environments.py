@@ -275,6 +275,19 @@ def test_unsupported_envs_are_refused_with_the_reason(module, env_id, message):
 # ----------------------------------------------------------------------------------------
 # docs/reference/working-envs.md: generated, complete, and right about the envs tested here
 # ----------------------------------------------------------------------------------------
+def test_an_env_registered_elsewhere_on_a_gymnasium_class_is_not_a_candidate():
+    """The page lists Gymnasium's own MuJoCo ids: a variant some module registered in this process (a benchmark's
+    Ant without its contact forces, imported by an earlier test) must not change what the page has to cover."""
+    import gymnasium as gym
+
+    before = list_envs.candidate_env_ids()
+    gym.register("AntVariantOfATest-v5", entry_point="gymnasium.envs.mujoco.ant_v5:AntEnv", kwargs={"healthy_reward": 2.0})
+    try:
+        assert list_envs.candidate_env_ids() == before and "Ant-v5" in before
+    finally:
+        del gym.registry["AntVariantOfATest-v5"]
+
+
 def test_working_envs_md_covers_every_candidate_id():
     rows = list_envs.read_markdown(list_envs.WORKING_ENVS_PAGE)
     assert set(rows) == set(list_envs.candidate_env_ids()), "regenerate with: python framework/list_envs.py"
