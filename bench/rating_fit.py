@@ -173,10 +173,10 @@ def one_scale_share(returns: np.ndarray, ratings: np.ndarray, scale: int) -> flo
     return float(best[-1] / len(ratings))
 
 
-def scale_shares(workdir: Path, run: str, train_sessions: int) -> dict:
+def scale_shares(data: dict, run: str, train_sessions: int) -> dict:
     """How far the ratings of a run's first `train_sessions` sessions are one scale of the returns the teacher judged
-    (the objective's, weighed by its --teacher-gamma): one_scale_share over all of them, and over each session apart."""
-    data = read_run(workdir, run)
+    (the objective's, weighed by its --teacher-gamma): one_scale_share over all of them, and over each session apart.
+    `data`: the run's read_run."""
     segments, settings = data["segments"], data["settings"]
     clips, scale = segments["masks"].shape[1], settings["rating_scale"]
     rewards = data["rewards"]
@@ -274,15 +274,14 @@ def main() -> None:
     for gap in args.cut_gaps:
         if gap != "span" and not (gap.replace(".", "", 1).isdigit() and float(gap) > 0):
             raise SystemExit(f"--cut-gaps {gap}: a gap is a return > 0, or span")
-    for run in args.runs:
-        read_run(args.workdir, run)  # every run refused before any fit starts
+    runs = {run: read_run(args.workdir, run) for run in args.runs}  # every run refused before any fit starts
     fits = ["pairs", "ratings", *(f"ratings_gap_{gap}" for gap in args.cut_gaps), *SCALE_FITS]
     jobs = [(run, fit) for run in args.runs for fit in fits]
     with concurrent.futures.ProcessPoolExecutor(args.parallel) as pool:
         fit_args = (args.train_sessions, args.test_sessions, args.seed, args.cut_lr)
         futures = [pool.submit(fit_row, args.workdir, run, fit, *fit_args) for run, fit in jobs]
         rows = [future.result() for future in futures]
-    scales = [scale_shares(args.workdir, run, args.train_sessions) for run in args.runs]
+    scales = [scale_shares(data, run, args.train_sessions) for run, data in runs.items()]
     print_table(scales, SCALE_COLUMNS)
     print_table(rows, COLUMNS)
     medians = {fit: {name: spread([r[name] for r in rows if r["fit"] == fit]) for name in MEASURES} for fit in fits}

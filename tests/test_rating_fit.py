@@ -61,7 +61,7 @@ def test_a_rating_runs_first_sessions_are_fitted_and_measured_on_the_next(rating
     assert rows["ratings_session_cuts"]["train_accuracy"] >= 0.97 or rows["ratings_session_cuts"]["epochs"] == 150
     again = rating_fit.fit_row(Path("."), "mill", "ratings_session_cuts", 2, 2, seed=0, cut_lr=0.03)
     assert again == rows["ratings_session_cuts"]  # same seed, same numbers
-    shares = rating_fit.scale_shares(Path("."), "mill", 2)
+    shares = rating_fit.scale_shares(rating_fit.read_run(Path("."), "mill"), "mill", 2)
     assert 0 < shares["one_scale"] <= shares["session_scales"] == 1.0  # a noiseless teacher is one scale per session
     with pytest.raises(SystemExit, match="--runs mill has 4 sessions of labels; --train-sessions 3 and --test-sessions 2 need 5"):
         rating_fit.fit_row(Path("."), "mill", "ratings", 3, 2, seed=0, cut_lr=0.03)
