@@ -140,9 +140,22 @@ VARIANTS = {
     # and the learned reward shifted to be >= 0, so that staying in an episode pays where a fall ends it (the Ant
     # flipped): bench/nonnegative_reward.py, VARIANT_SCRIPTS
     "norm-reset-std1-nonneg": ["--reward-net-normalize-inputs", "--reset-actor-after-exploration", "--learned-reward-std", "1"],
+    # the even schedule's setting with the action's known control cost added to SAC's learned reward, for a teacher
+    # who judges what a clip shows and leaves the torque out (--teacher-objective): bench/known_control_cost.py
+    "norm-reset-std1-linear-ctrl": [
+        "--reward-net-normalize-inputs",
+        "--reset-actor-after-exploration",
+        "--learned-reward-std",
+        "1",
+        "--teacher-feedback-schedule",
+        "linear",
+    ],
 }
 # A variant that changes the algorithm rather than its settings runs an experiment's script, sac_rlhf.py changed by it.
-VARIANT_SCRIPTS = {"norm-reset-std1-nonneg": str(REPO / "bench" / "nonnegative_reward.py")}
+VARIANT_SCRIPTS = {
+    "norm-reset-std1-nonneg": str(REPO / "bench" / "nonnegative_reward.py"),
+    "norm-reset-std1-linear-ctrl": str(REPO / "bench" / "known_control_cost.py"),
+}
 
 
 # What `tuned` and `qpa` add per suite, as the README recommends (and the suite's run scripts do): bench/reward_learning.py found
