@@ -363,22 +363,25 @@ def test_the_walking_objective_is_the_ants_reward_without_its_control_and_contac
     assert np.corrcoef(*clips)[0, 1] > 0.99 and np.abs(clips[0] - clips[1]).max() < 0.05 * np.abs(clips[1]).max() + 1
 
 
-def test_a_variant_that_changes_the_algorithm_runs_its_own_script_with_the_variants_flags():
-    """--variant norm-reset-std1-nonneg runs bench/nonnegative_reward.py (sac_rlhf.py with the shifted reward), whose
-    Args take the preference run's flags as sac_rlhf.py's do."""
+@pytest.mark.parametrize("variant", sorted(feedback_efficiency.VARIANT_SCRIPTS))
+def test_a_variant_that_changes_the_algorithm_runs_its_own_script_with_the_variants_flags(variant):
+    """--variant norm-reset-std1-nonneg runs bench/nonnegative_reward.py (sac_rlhf.py with the shifted reward) and
+    norm-reset-std1-linear-ctrl bench/known_control_cost.py (with the action's control cost added): each script's Args
+    take the preference run's flags as sac_rlhf.py's do, and its runs are named by the script."""
     from cleanrlhf_utils.cli import command_line_args
 
-    (variant, script), *_ = feedback_efficiency.VARIANT_SCRIPTS.items()
-    assert Path(script) == REPO / "bench" / "nonnegative_reward.py" and variant in feedback_efficiency.VARIANTS
+    script = Path(feedback_efficiency.VARIANT_SCRIPTS[variant])
+    assert script.parent == REPO / "bench" and variant in feedback_efficiency.VARIANTS
     flags = feedback_efficiency.pebble_flags(bench_settings(env_id="Ant-v5", variant=variant), 1, "a")
     sys.path.insert(0, str(REPO / "bench"))  # as when the benchmark runs: bench/ is its script's folder
     try:
         from common import script_module
 
-        run = command_line_args(script_module(script).Args, flags)
+        run = command_line_args(script_module(str(script)).Args, flags)
     finally:
         sys.path.remove(str(REPO / "bench"))
-    assert run.exp_name == "nonnegative_reward" and run.learned_reward_std == 1.0 and run.reset_actor_after_exploration
+    assert run.exp_name == script.stem and run.learned_reward_std == 1.0 and run.reset_actor_after_exploration
+    assert run.teacher_feedback_schedule == ("linear" if variant.endswith("-linear-ctrl") else "exponential")
 
 
 def test_feedback_efficiency_variants_are_valid_runs_that_differ_only_as_named():

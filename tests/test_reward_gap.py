@@ -400,6 +400,34 @@ def test_the_nonnegative_reward_experiment_shifts_the_lowest_learned_reward_to_z
     assert "learned_reward_nonnegative" not in sac_rlhf.Args.__dataclass_fields__
 
 
+def test_the_known_control_cost_experiment_takes_the_squared_action_off_the_scaled_learned_reward(monkeypatch):
+    """bench/known_control_cost.py: SAC's batch reward is the learned reward at --learned-reward-std's scale less the
+    weight x the action's squared components, summed: a still action costs nothing, a full one its weight per
+    component; sac_rlhf.py itself is left as it was, and a negative weight is refused in one line."""
+    from cleanrlhf_utils.buffers import ReplayBuffer
+
+    known_control_cost = bench_module("known_control_cost")
+    monkeypatch.setattr(sac_rlhf, "learned_rewards", sac_rlhf.learned_rewards)  # restored after the test
+    plain_rewards = sac_rlhf.learned_rewards
+    known_control_cost.add_known_control_cost()
+
+    action_dim = 2
+    rb = ReplayBuffer(100, OBS_DIM, action_dim, 1)
+    rb.pos = 4
+    rb.learned_rewards[:4] = [1.0, -1.0, 2.0, 0.5]
+    rb.actions[:4] = [[0.0, 0.0], [1.0, -1.0], [0.5, 0.0], [-0.2, 0.4]]
+    idx, cpu = np.arange(4), torch.device("cpu")
+    args = known_control_cost.Args(learned_reward_std=1.0, known_control_cost_weight=0.5)
+    loop = sac_rlhf.LoopState()
+    loop.reward_scale = 2.0
+    rewards = sac_rlhf.learned_rewards(rb, idx, args, 0, cpu, loop)
+    assert rewards.tolist() == pytest.approx([2.0, -2.0 - 1.0, 4.0 - 0.125, 1.0 - 0.1])
+    assert torch.equal(plain_rewards(rb, idx, args, 0, cpu, loop), torch.tensor([2.0, -2.0, 4.0, 1.0]))
+    assert "known_control_cost_weight" not in sac_rlhf.Args.__dataclass_fields__
+    with pytest.raises(sac_rlhf.ConfigError, match="--known-control-cost-weight must be >= 0, got -1.0"):
+        known_control_cost.main(known_control_cost.Args(known_control_cost_weight=-1.0))
+
+
 @pytest.mark.parametrize("reset_actor", [False, True])
 def test_the_first_labels_reset_the_critic_and_only_when_asked_the_actor_and_temperature(reset_actor):
     import gymnasium as gym
