@@ -302,12 +302,21 @@ NOT_THE_RUN = ("run_name", "progress_bar", "checkpoint_frequency", "resume")  # 
 DEFENCE_SCRIPTS = {"none": "sac_rlhf.py", "rime": "sac_rlhf_rime.py", "smooth": "sac_rlhf_mistake_aware.py"}
 
 
+# The variant of PEBBLE a benchmark's preference runs are, by a setting only that variant has (flag -> script).
+VARIANT_BY_FLAG = {
+    "--reset-agent-below-correlation": "sac_rlhf_agent_reset.py",  # SAC started afresh after a session that changed a lot
+    "--rating-cut-lr": str(BENCH / "session_rating_cuts.py"),  # ratings read with a set of cut points per session
+}
+
+
 def preference_script(preference_flags: str) -> str:
-    """The script a benchmark's preference runs are: PEBBLE (sac_rlhf.py), or the variant that starts SAC afresh after
-    a session that changed the reward a lot (sac_rlhf_agent_reset.py) where the flags set its
-    --reset-agent-below-correlation."""
-    flags = [token.split("=", 1)[0] for token in shlex.split(preference_flags)]
-    return "sac_rlhf_agent_reset.py" if "--reset-agent-below-correlation" in flags else "sac_rlhf.py"
+    """The script a benchmark's preference runs are: PEBBLE (sac_rlhf.py), or the variant whose own setting the flags
+    set (VARIANT_BY_FLAG); refused where they set two variants' settings."""
+    flags = {token.split("=", 1)[0] for token in shlex.split(preference_flags)}
+    scripts = [script for flag, script in VARIANT_BY_FLAG.items() if flag in flags]
+    if len(scripts) > 1:
+        raise SystemExit(f"--preference-flags {preference_flags!r} set the settings of two variants ({' and '.join(scripts)}): one at most")
+    return scripts[0] if scripts else "sac_rlhf.py"
 
 
 # Settings that belong to one defence: with another a run computed nothing with them, so they do not tell two runs apart

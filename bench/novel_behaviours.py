@@ -259,6 +259,7 @@ def main() -> None:
     if args.ceiling_from is not None and args.ceiling_results is not None:
         raise SystemExit("--ceiling-from and --ceiling-results: give one, the ceilings' runs or their recorded figures")
     ceilings_recorded = recorded_ceilings(args) if args.ceiling_results is not None else {}
+    script = preference_script(args.preference_flags)
     stamp = int(time.time())
     ceiling_runs = {}  # (objective, seed) -> the SAC-on-objective run's directory
     jobs, runs = [], []  # jobs: (script, flags, run name) to start; runs: (objective, seed, preference run's directory)
@@ -274,7 +275,6 @@ def main() -> None:
                 "--evaluation-episodes", str(args.evaluation_episodes), "--checkpoint-frequency", str(args.checkpoint_frequency),
                 "--torch-threads", "1", "--no-cuda", *shlex.split(args.preference_flags), *shlex.split(args.env_flags),
             ]  # fmt: skip
-            script = preference_script(args.preference_flags)
             runs.append((objective_name, seed, start_unless_finished(args, jobs, script, flags, run_name)))
             if args.behaviour == "windmill":
                 continue  # its ceiling is scripted: full torque the preferred way

@@ -48,6 +48,7 @@ from common import (
     spread,
     write_json,
 )
+from session_rating_cuts import ordered_cuts, ordered_pair_share, session_rating_loss
 
 import sac_rlhf
 from cleanrlhf_utils.rankings import clip_pairs
@@ -107,23 +108,11 @@ def fit_gap(fit: str, segment_length: int, scale: int) -> float | None:
     return segment_length / max(scale - 2, 1) if gap == "span" else float(gap)
 
 
-def ordered_cuts(parameters: torch.Tensor) -> torch.Tensor:
-    """Increasing cut points of parameters (..., n - 1) as RewardEnsemble.rating_cuts makes them: the first cut and the
-    softplus of the gaps."""
-    first, gaps = parameters[..., :1], torch.nn.functional.softplus(parameters[..., 1:])
-    return torch.cat([first, first + gaps.cumsum(-1)], dim=-1)
-
-
 def ordered_pair_accuracy(model: sac_rlhf.RewardEnsemble, segments: dict, labels: np.ndarray, scale: int) -> float:
     """The share of the pairs of clips the ratings `labels` order (ties left out) that the ensemble-mean returns order
     the same way."""
-    clips = segments["masks"].shape[1]
-    first, second = clip_pairs(clips)
     steps, masks = torch.as_tensor(segments["obs_actions"]), torch.as_tensor(segments["masks"], dtype=torch.float32)
-    returns = sac_rlhf.segment_returns(model, steps, masks).mean(0).numpy()
-    ordered = rating_pair_labels(labels, clips, scale)
-    decided = ordered != 0.5
-    return float(((returns[:, second] > returns[:, first]) == (ordered > 0.5))[decided].mean())
+    return ordered_pair_share(sac_rlhf.segment_returns(model, steps, masks).mean(0).numpy(), labels, scale)
 
 
 def fit_scales(model, args, fitted: dict, labels: np.ndarray, scale_of: np.ndarray, cut_lr: float, seed: int) -> dict:
@@ -142,9 +131,7 @@ def fit_scales(model, args, fitted: dict, labels: np.ndarray, scale_of: np.ndarr
     def rating_loss(returns: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
         """The ratings' loss with each query's own cut points: reward_epoch hands over query numbers as labels."""
         queries = queries.long()
-        cuts = ordered_cuts(cut_parameters)[members, query_scale[queries]]  # (E, b, n - 1)
-        flat = returns.shape[0] * returns.shape[1]
-        return sac_rlhf.PREFERENCE_MODEL.rating_loss(returns.reshape(flat, -1), given[queries].reshape(flat), cuts.reshape(flat, -1))
+        return session_rating_loss(returns, given[queries], ordered_cuts(cut_parameters)[members, query_scale[queries]])
 
     queries = len(labels)
     data = (
