@@ -111,6 +111,13 @@ QPA_BASE = [
 ]  # fmt: skip
 QPA_HYBRID, QPA_CROPS = ["--qpa-hybrid-ratio", "0.5"], ["--qpa-augmentations", "20"]
 
+# Gymnasium MuJoCo's best setting (docs/benchmarks/findings/gym-mujoco.md): the reward model's inputs standardised, SAC's
+# actor started afresh when exploration ends, the learned reward at std 1, the label budget spread evenly.
+NORM_RESET_STD1_LINEAR = [
+    "--reward-net-normalize-inputs", "--reset-actor-after-exploration", "--learned-reward-std", "1",
+    "--teacher-feedback-schedule", "linear",
+]  # fmt: skip
+
 # --variant: what the preference-based run adds to its flags (the SAC baseline is the same for all).
 VARIANTS = {
     "pebble": [],  # sac_rlhf.py's defaults: exponential schedule, disagreement sampling, SURF
@@ -129,27 +136,13 @@ VARIANTS = {
     "norm-reset-std1": ["--reward-net-normalize-inputs", "--reset-actor-after-exploration", "--learned-reward-std", "1"],
     # and the budget spread evenly over the sessions, so that the last ones, on the agent's later states, are as large
     # as the first (the Ant's late exponential sessions bring 15-23 labels; --sessions sets how far into the run)
-    "norm-reset-std1-linear": [
-        "--reward-net-normalize-inputs",
-        "--reset-actor-after-exploration",
-        "--learned-reward-std",
-        "1",
-        "--teacher-feedback-schedule",
-        "linear",
-    ],
+    "norm-reset-std1-linear": NORM_RESET_STD1_LINEAR,
     # and the learned reward shifted to be >= 0, so that staying in an episode pays where a fall ends it (the Ant
     # flipped): bench/nonnegative_reward.py, VARIANT_SCRIPTS
     "norm-reset-std1-nonneg": ["--reward-net-normalize-inputs", "--reset-actor-after-exploration", "--learned-reward-std", "1"],
     # the even schedule's setting with the action's known control cost added to SAC's learned reward, for a teacher
     # who judges what a clip shows and leaves the torque out (--teacher-objective): bench/known_control_cost.py
-    "norm-reset-std1-linear-ctrl": [
-        "--reward-net-normalize-inputs",
-        "--reset-actor-after-exploration",
-        "--learned-reward-std",
-        "1",
-        "--teacher-feedback-schedule",
-        "linear",
-    ],
+    "norm-reset-std1-linear-ctrl": NORM_RESET_STD1_LINEAR,
 }
 # A variant that changes the algorithm rather than its settings runs an experiment's script, sac_rlhf.py changed by it.
 VARIANT_SCRIPTS = {
