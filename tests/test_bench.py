@@ -381,17 +381,23 @@ def test_a_variant_that_changes_the_algorithm_runs_its_own_script_with_the_varia
     finally:
         sys.path.remove(str(REPO / "bench"))
     assert run.exp_name == script.stem and run.learned_reward_std == 1.0 and run.reset_actor_after_exploration
-    assert run.teacher_feedback_schedule == ("linear" if variant.endswith("-linear-ctrl") else "exponential")
+    assert run.teacher_feedback_schedule == ("linear" if "-linear-ctrl" in variant else "exponential")
+    assert getattr(run, "known_control_cost_weight", None) == {"-ctrl": 0.5, "ctrl1": 1.0}.get(variant[-5:])
 
 
 def test_feedback_efficiency_variants_are_valid_runs_that_differ_only_as_named():
-    """bench/feedback_efficiency.py --variant: each variant's flags parse and validate as sac_rlhf.py's own, and each QPA
-    ablation is QPA with exactly its one part switched off (else the ablation would measure something else too)."""
+    """bench/feedback_efficiency.py --variant: each variant's flags parse (by its own script's Args where it has one)
+    and validate as sac_rlhf.py's own, and each QPA ablation is QPA with exactly its one part switched off (else the
+    ablation would measure something else too)."""
+    from common import script_module
+
     script = sweep.load_script("sac-rlhf")
     for env_id in ["Hopper-v5", "dm_control/walker-walk-v0"]:
         runs = {}
         for variant in feedback_efficiency.VARIANTS:
-            runs[variant] = tyro.cli(script.Args, args=["--env-id", env_id, *feedback_efficiency.variant_flags(variant, env_id)])
+            own = feedback_efficiency.VARIANT_SCRIPTS.get(variant)
+            args_class = script_module(own).Args if own else script.Args
+            runs[variant] = tyro.cli(args_class, args=["--env-id", env_id, *feedback_efficiency.variant_flags(variant, env_id)])
             script.validate(runs[variant])
         qpa = asdict(runs["qpa"])
         assert (qpa["qpa_query_episodes"], qpa["qpa_hybrid_ratio"], qpa["qpa_augmentations"]) == (10, 0.5, 20)
