@@ -2,11 +2,13 @@
 the learned reward (at --learned-reward-std's scale) less --known-control-cost-weight x the squared action, summed over
 the action's components. The control cost is the part of a locomotion task's reward anyone can write down, and the
 part no clip shows; a teacher who judges what a clip shows (forward progress, staying up) then leaves it to this term,
-and the labels need carry only the rest. The cost is in the learned reward's units at std 1 (so 0.5, Ant-v5's own
-weight, prices torque against a learned reward of std 1 as Ant-v5 prices it against a reward of std about 1):
+and the labels need carry only the rest. The cost is in the learned reward's units at std 1: where the teacher's
+objective has a per-step std of s over the replay buffer, a weight w prices torque against it as the weight w s does in
+the objective's own units (the Ant's walking objective: s about 0.5, so Ant-v5's own 0.5 is a weight of about 1 here):
 
     python bench/known_control_cost.py --env-id Ant-v5 --learned-reward-std 1 [more sac_rlhf.py flags]
-    python bench/feedback_efficiency.py --variant norm-reset-std1-linear-ctrl --teacher-objective MODULE:FN ...
+    python bench/feedback_efficiency.py --variant norm-reset-std1-linear-ctrl --teacher-objective MODULE:FN ...  # 0.5
+    python bench/feedback_efficiency.py --variant norm-reset-std1-linear-ctrl1 --teacher-objective MODULE:FN ...  # 1
 
 docs/benchmarks/findings/gym-mujoco.md has what it did. Runs are named known_control_cost (their exp_name)."""
 
