@@ -143,8 +143,8 @@ VARIANTS = {
     # the even schedule's setting with the action's known control cost added to SAC's learned reward, for a teacher
     # who judges what a clip shows and leaves the torque out (--teacher-objective): bench/known_control_cost.py
     "norm-reset-std1-linear-ctrl": NORM_RESET_STD1_LINEAR,
-    # the same with the cost weighed twice: the walking objective's std over those runs' buffers is about 0.5, so a
-    # learned reward at std 1 is about twice its scale and 1 prices torque against progress as Ant-v5's 0.5 does
+    # the same with the cost weighed twice: the walking objective's std over those runs' buffers is 0.33 to 0.55, so a
+    # learned reward at std 1 is about twice its scale and 1 prices torque against progress about as Ant-v5's 0.5 does
     "norm-reset-std1-linear-ctrl1": [*NORM_RESET_STD1_LINEAR, "--known-control-cost-weight", "1"],
 }
 # A variant that changes the algorithm rather than its settings runs an experiment's script, sac_rlhf.py changed by it.

@@ -4,7 +4,7 @@ the action's components. The control cost is the part of a locomotion task's rew
 part no clip shows; a teacher who judges what a clip shows (forward progress, staying up) then leaves it to this term,
 and the labels need carry only the rest. The cost is in the learned reward's units at std 1: where the teacher's
 objective has a per-step std of s over the replay buffer, a weight w prices torque against it as the weight w s does in
-the objective's own units (the Ant's walking objective: s about 0.5, so Ant-v5's own 0.5 is a weight of about 1 here):
+the objective's own units (the Ant's walking objective: s 0.33 to 0.55, so Ant-v5's own 0.5 is a weight of about 1):
 
     python bench/known_control_cost.py --env-id Ant-v5 --learned-reward-std 1 [more sac_rlhf.py flags]
     python bench/feedback_efficiency.py --variant norm-reset-std1-linear-ctrl --teacher-objective MODULE:FN ...  # 0.5
