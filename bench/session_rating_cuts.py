@@ -70,6 +70,21 @@ def ordered_pair_share(returns: np.ndarray, labels: np.ndarray, scale: int) -> f
     return float(((returns[:, second] > returns[:, first]) == (ordered > 0.5))[decided].mean())
 
 
+class Optimizers:
+    """Two optimisers stepped as one (reward_epoch zeroes and steps the one it is given): the network's, the cuts'."""
+
+    def __init__(self, *optimizers):
+        self.optimizers = optimizers
+
+    def zero_grad(self) -> None:
+        for optimizer in self.optimizers:
+            optimizer.zero_grad()
+
+    def step(self) -> None:
+        for optimizer in self.optimizers:
+            optimizer.step()
+
+
 class SessionRatingCuts:
     """The run's reward training (sac_rlhf.main's reward_training), holding one set of cut points per feedback session
     of the schedule and their optimiser, both checkpointed with the run."""
@@ -151,21 +166,6 @@ class SessionRatingCuts:
         with torch.no_grad():
             self.cut_parameters.copy_(state["cut_parameters"])
         self.cut_optimizer.load_state_dict(state["cut_optimizer"])
-
-
-class Optimizers:
-    """Two optimisers stepped as one (reward_epoch zeroes and steps the one it is given): the network's, the cuts'."""
-
-    def __init__(self, *optimizers):
-        self.optimizers = optimizers
-
-    def zero_grad(self) -> None:
-        for optimizer in self.optimizers:
-            optimizer.zero_grad()
-
-    def step(self) -> None:
-        for optimizer in self.optimizers:
-            optimizer.step()
 
 
 def main(args: Args, on_evaluation=None) -> dict:
