@@ -304,8 +304,10 @@ DEFENCE_SCRIPTS = {"none": "sac_rlhf.py", "rime": "sac_rlhf_rime.py", "smooth": 
 
 # The variant of PEBBLE a benchmark's preference runs are, by a setting only that variant has (flag -> script).
 VARIANT_BY_FLAG = {
-    "--reset-agent-below-correlation": "sac_rlhf_agent_reset.py",  # SAC started afresh after a session that changed a lot
-    "--rating-cut-lr": str(BENCH / "session_rating_cuts.py"),  # ratings read with a set of cut points per session
+    # SAC started afresh after a session that changed the reward a lot
+    "--reset-agent-below-correlation": "sac_rlhf_agent_reset.py",
+    # ratings read with a set of cut points per feedback session
+    "--rating-cut-lr": str(BENCH / "session_rating_cuts.py"),
 }
 
 
@@ -315,7 +317,8 @@ def preference_script(preference_flags: str) -> str:
     flags = {token.split("=", 1)[0] for token in shlex.split(preference_flags)}
     scripts = [script for flag, script in VARIANT_BY_FLAG.items() if flag in flags]
     if len(scripts) > 1:
-        raise SystemExit(f"--preference-flags {preference_flags!r} set the settings of two variants ({' and '.join(scripts)}): one at most")
+        both = " and ".join(scripts)
+        raise SystemExit(f"--preference-flags {preference_flags!r} set two variants' settings ({both}): one at most")
     return scripts[0] if scripts else "sac_rlhf.py"
 
 

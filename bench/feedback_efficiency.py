@@ -111,8 +111,8 @@ QPA_BASE = [
 ]  # fmt: skip
 QPA_HYBRID, QPA_CROPS = ["--qpa-hybrid-ratio", "0.5"], ["--qpa-augmentations", "20"]
 
-# Gymnasium MuJoCo's best setting (docs/benchmarks/findings/gym-mujoco.md): the reward model's inputs standardised, SAC's
-# actor started afresh when exploration ends, the learned reward at std 1, the label budget spread evenly.
+# Gymnasium MuJoCo's best setting (docs/benchmarks/findings/gym-mujoco.md): the reward model's inputs standardised,
+# SAC's actor started afresh when exploration ends, the learned reward at std 1, the label budget spread evenly.
 NORM_RESET_STD1_LINEAR = [
     "--reward-net-normalize-inputs", "--reset-actor-after-exploration", "--learned-reward-std", "1",
     "--teacher-feedback-schedule", "linear",

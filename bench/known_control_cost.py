@@ -43,7 +43,8 @@ def add_known_control_cost() -> None:
     batch_rewards = sac_rlhf.learned_rewards
 
     def learned_rewards(rb: ReplayBuffer, idx: np.ndarray, args: Args, step: int, device, loop) -> torch.Tensor:
-        return batch_rewards(rb, idx, args, step, device, loop) - control_cost(rb, idx, args.known_control_cost_weight, device)
+        cost = control_cost(rb, idx, args.known_control_cost_weight, device)
+        return batch_rewards(rb, idx, args, step, device, loop) - cost
 
     sac_rlhf.learned_rewards = learned_rewards
 

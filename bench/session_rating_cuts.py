@@ -91,11 +91,13 @@ class SessionRatingCuts:
 
     def __init__(self, args: Args):
         budget = (args.teacher_feedback_total_queries, args.teacher_feedback_num_queries_per_session)
-        schedule = sac_rlhf.feedback_schedule(*budget, args.teacher_feedback_schedule, args.teacher_feedback_exponential_decay)
+        kind = (args.teacher_feedback_schedule, args.teacher_feedback_exponential_decay)
+        schedule = sac_rlhf.feedback_schedule(*budget, *kind)
         first = args.total_explore_steps if args.unsupervised_exploration else args.learning_starts
         self.session_starts = first + args.teacher_feedback_frequency * np.arange(max(len(schedule), 1))
         sets = len(self.session_starts)
-        self.cut_parameters = torch.nn.Parameter(starting_cut_parameters(args.reward_ensemble_size, args.rating_scale, sets))
+        start = starting_cut_parameters(args.reward_ensemble_size, args.rating_scale, sets)
+        self.cut_parameters = torch.nn.Parameter(start)
         self.cut_optimizer = torch.optim.Adam([self.cut_parameters], lr=args.rating_cut_lr)
 
     def sessions(self, prefs: sac_rlhf.PreferenceBuffer, indices: np.ndarray) -> np.ndarray:
@@ -149,7 +151,8 @@ class SessionRatingCuts:
         numbers = (segments, masks, torch.arange(len(train_idx), dtype=torch.float32, device=device))
         model.train()
         for epoch in range(args.reward_net_epochs):
-            epoch_stats = sac_rlhf.reward_epoch(model, both, numbers, torch.arange(len(train_idx)), rb, args, rng, device, loss_of)
+            every = torch.arange(len(train_idx))
+            epoch_stats = sac_rlhf.reward_epoch(model, both, numbers, every, rb, args, rng, device, loss_of)
             totals = {name: stats[name] + epoch_stats[name] for name in ("pseudo_labels", "steps")}
             stats |= epoch_stats | totals | {"epochs": epoch + 1}
             returns = sac_rlhf.segment_returns(model, segments, masks).mean(0).cpu().numpy()
@@ -160,7 +163,8 @@ class SessionRatingCuts:
         return stats
 
     def state_dict(self) -> dict:
-        return {"cut_parameters": self.cut_parameters.detach().clone(), "cut_optimizer": self.cut_optimizer.state_dict()}
+        cuts = self.cut_parameters.detach().clone()
+        return {"cut_parameters": cuts, "cut_optimizer": self.cut_optimizer.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         with torch.no_grad():
@@ -170,7 +174,8 @@ class SessionRatingCuts:
 
 def main(args: Args, on_evaluation=None) -> dict:
     check_ranges(args, {"rating_cut_lr": "> 0"})
-    need(args.rating_scale > 0, f"a set of cut points per session reads ratings: set --rating-scale N, got {args.rating_scale}")
+    scale = args.rating_scale
+    need(scale > 0, f"a set of cut points per session reads ratings: set --rating-scale N, got {scale}")
     training = SessionRatingCuts(args)
     sac_rlhf.rating_accuracy = training.rating_accuracy  # the run's rating accuracy reads each session's own cuts
     return sac_rlhf.main(args, on_evaluation, reward_training=training)

@@ -397,7 +397,8 @@ def test_feedback_efficiency_variants_are_valid_runs_that_differ_only_as_named()
         for variant in feedback_efficiency.VARIANTS:
             own = feedback_efficiency.VARIANT_SCRIPTS.get(variant)
             args_class = script_module(own).Args if own else script.Args
-            runs[variant] = tyro.cli(args_class, args=["--env-id", env_id, *feedback_efficiency.variant_flags(variant, env_id)])
+            flags = ["--env-id", env_id, *feedback_efficiency.variant_flags(variant, env_id)]
+            runs[variant] = tyro.cli(args_class, args=flags)
             script.validate(runs[variant])
         qpa = asdict(runs["qpa"])
         assert (qpa["qpa_query_episodes"], qpa["qpa_hybrid_ratio"], qpa["qpa_augmentations"]) == (10, 0.5, 20)

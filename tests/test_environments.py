@@ -281,7 +281,8 @@ def test_an_env_registered_elsewhere_on_a_gymnasium_class_is_not_a_candidate():
     import gymnasium as gym
 
     before = list_envs.candidate_env_ids()
-    gym.register("AntVariantOfATest-v5", entry_point="gymnasium.envs.mujoco.ant_v5:AntEnv", kwargs={"healthy_reward": 2.0})
+    ant = "gymnasium.envs.mujoco.ant_v5:AntEnv"
+    gym.register("AntVariantOfATest-v5", entry_point=ant, kwargs={"healthy_reward": 2.0})
     try:
         assert list_envs.candidate_env_ids() == before and "Ant-v5" in before
     finally:

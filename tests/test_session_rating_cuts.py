@@ -98,7 +98,9 @@ def test_a_windmill_rating_run_fits_each_sessions_cuts_and_resumes_exactly(sessi
     def args(run_name: str, **overrides):
         settings = {"total_timesteps": 500, "checkpoint_frequency": 250} | overrides
         return tiny(
-            session_cuts, run_name=run_name, teacher_objective="windmill-clockwise", rating_scale=5, learning_starts=100, total_explore_steps=100, teacher_feedback_frequency=100, teacher_feedback_total_queries=100,
+            session_cuts, run_name=run_name, teacher_objective="windmill-clockwise", rating_scale=5,
+            learning_starts=100, total_explore_steps=100, teacher_feedback_frequency=100,
+            teacher_feedback_total_queries=100,
             teacher_feedback_schedule="linear", batch_size=32, actor_hidden_dim=32, critic_hidden_dim=32,
             reward_net_hidden_dim=32, reward_net_epochs=20, teacher_feedback_num_queries_per_session=25, **settings,
         )  # fmt: skip
@@ -132,5 +134,5 @@ def test_a_benchmarks_preference_flags_pick_the_variant_whose_setting_they_set()
     assert common.preference_script("--rating-scale 10 --teacher-feedback-schedule linear") == "sac_rlhf.py"
     assert common.preference_script("--rating-scale 10 --rating-cut-lr=0.03").endswith("bench/session_rating_cuts.py")
     assert common.preference_script("--reset-agent-below-correlation 0.9") == "sac_rlhf_agent_reset.py"
-    with pytest.raises(SystemExit, match="set the settings of two variants"):
+    with pytest.raises(SystemExit, match="set two variants' settings"):
         common.preference_script("--reset-agent-below-correlation 0.9 --rating-cut-lr 0.03")
