@@ -137,6 +137,9 @@ VARIANTS = {
     # and the budget spread evenly over the sessions, so that the last ones, on the agent's later states, are as large
     # as the first (the Ant's late exponential sessions bring 15-23 labels; --sessions sets how far into the run)
     "norm-reset-std1-linear": NORM_RESET_STD1_LINEAR,
+    # and every session's pairs drawn from the agent's last 10 episodes (QPA's queries), so that the labels price the
+    # states the agent reaches now: the Ant's final models overpaid their own agents' states over doing nothing
+    "norm-reset-std1-linear-recent": [*NORM_RESET_STD1_LINEAR, "--qpa-query-episodes", "10"],
     # and the learned reward shifted to be >= 0, so that staying in an episode pays where a fall ends it (the Ant
     # flipped): bench/nonnegative_reward.py, VARIANT_SCRIPTS
     "norm-reset-std1-nonneg": ["--reward-net-normalize-inputs", "--reset-actor-after-exploration", "--learned-reward-std", "1"],

@@ -388,7 +388,8 @@ def test_a_variant_that_changes_the_algorithm_runs_its_own_script_with_the_varia
 def test_feedback_efficiency_variants_are_valid_runs_that_differ_only_as_named():
     """bench/feedback_efficiency.py --variant: each variant's flags parse (by its own script's Args where it has one)
     and validate as sac_rlhf.py's own, and each QPA ablation is QPA with exactly its one part switched off (else the
-    ablation would measure something else too)."""
+    ablation would measure something else too); the recent-queries variant is the even schedule's with only its
+    queries moved to the last episodes."""
     from common import script_module
 
     script = sweep.load_script("sac-rlhf")
@@ -404,6 +405,8 @@ def test_feedback_efficiency_variants_are_valid_runs_that_differ_only_as_named()
         assert (qpa["qpa_query_episodes"], qpa["qpa_hybrid_ratio"], qpa["qpa_augmentations"]) == (10, 0.5, 20)
         assert asdict(runs["qpa-no-hybrid"]) == {**qpa, "qpa_hybrid_ratio": 0.0}
         assert asdict(runs["qpa-no-crops"]) == {**qpa, "qpa_augmentations": 0}
+        linear = asdict(runs["norm-reset-std1-linear"])
+        assert asdict(runs["norm-reset-std1-linear-recent"]) == {**linear, "qpa_query_episodes": 10}
         assert runs["pebble"] == script.Args(env_id=env_id)
         standardised = env_id.startswith("dm_control/")  # the suite's tuned inputs (README)
         assert runs["tuned"].reward_net_normalize_inputs == qpa["reward_net_normalize_inputs"] == standardised
