@@ -388,16 +388,14 @@ def test_a_variant_that_changes_the_algorithm_runs_its_own_script_with_the_varia
 def test_feedback_efficiency_variants_are_valid_runs_that_differ_only_as_named():
     """bench/feedback_efficiency.py --variant: each variant's flags parse (by its own script's Args where it has one)
     and validate as sac_rlhf.py's own, and each QPA ablation is QPA with exactly its one part switched off (else the
-    ablation would measure something else too); the recent-queries variant is the even schedule's with only its
-    queries moved to the last episodes."""
-    from common import script_module
-
+    ablation would measure something else too); the recent-queries and RUNE variants are the even schedule's with
+    only their own settings changed."""
     script = sweep.load_script("sac-rlhf")
     for env_id in ["Hopper-v5", "dm_control/walker-walk-v0"]:
         runs = {}
         for variant in feedback_efficiency.VARIANTS:
             own = feedback_efficiency.VARIANT_SCRIPTS.get(variant)
-            args_class = script_module(own).Args if own else script.Args
+            args_class = bench_module(Path(own).stem).Args if own else script.Args
             flags = ["--env-id", env_id, *feedback_efficiency.variant_flags(variant, env_id)]
             runs[variant] = tyro.cli(args_class, args=flags)
             script.validate(runs[variant])
@@ -407,6 +405,8 @@ def test_feedback_efficiency_variants_are_valid_runs_that_differ_only_as_named()
         assert asdict(runs["qpa-no-crops"]) == {**qpa, "qpa_augmentations": 0}
         linear = asdict(runs["norm-reset-std1-linear"])
         assert asdict(runs["norm-reset-std1-linear-recent"]) == {**linear, "qpa_query_episodes": 10}
+        rune = {"rune": True, "rune_beta": 5.0, "rune_beta_decay": 1e-5}
+        assert asdict(runs["norm-reset-std1-linear-rune"]) == {**linear, **rune}
         assert runs["pebble"] == script.Args(env_id=env_id)
         standardised = env_id.startswith("dm_control/")  # the suite's tuned inputs (README)
         assert runs["tuned"].reward_net_normalize_inputs == qpa["reward_net_normalize_inputs"] == standardised
