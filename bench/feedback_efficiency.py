@@ -141,7 +141,7 @@ VARIANTS = {
     # states the agent reaches now: the Ant's final models overpaid their own agents' states over doing nothing
     "norm-reset-std1-linear-recent": [*NORM_RESET_STD1_LINEAR, "--qpa-query-episodes", "10"],
     # and RUNE's optimism, strong and slow to decay: the Ant's models pay forward-moving states less than the rest and
-    # disagree there twice as much; beta 5 makes the bonus's spread over the buffer about half the learned reward's
+    # disagree there twice as much; beta 5 makes the bonus spread 0.5 to 0.7 times as widely as the learned reward
     "norm-reset-std1-linear-rune": [*NORM_RESET_STD1_LINEAR, "--rune", "--rune-beta", "5", "--rune-beta-decay", "1e-5"],
     # and the learned reward shifted to be >= 0, so that staying in an episode pays where a fall ends it (the Ant
     # flipped): bench/nonnegative_reward.py, VARIANT_SCRIPTS
