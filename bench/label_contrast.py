@@ -11,7 +11,13 @@ session of sac_rlhf.py runs (their labels.sqlite and final checkpoint), over the
   teacher judges by) with the difference in -control cost and in the rest: what the labels say about each term;
 - `model_control`, `model_rest`: the same for the final reward model's predicted return difference: what the model
   learned of each term on the very pairs it was taught with; `model_agreement`: the share of the session's decided
-  labels the final model reproduces.
+  labels the final model reproduces; `label_control_decides`: the share of the decided labels that prefer the segment
+  with the lower control cost, as if the teacher judged by it alone.
+
+Per run (the `all` row), on every step of its replay buffer: `model_rest_per_control`, what the final model pays for
+the rest of the reward against the control cost. Its per-step reward (the members' mean) is fitted by least squares
+to a * (-control cost) + b * rest + c, and the figure is b / a; the true reward's is 1, and a model below it prices
+progress lower against torque than the env does.
 
 The JSON's `rows` pool each run's sessions (one row a run), `sessions` has a row per session. Every figure is read
 from the files; nothing trains. A run is named in the tables as given before `=`:
@@ -37,7 +43,7 @@ from sac_rlhf import segment_returns
 
 COLUMNS = [
     "run", "session", "pairs", "control_per_step", "d_control", "d_rest", "label_control", "label_rest",
-    "model_control", "model_rest", "model_agreement",
+    "model_control", "model_rest", "model_agreement", "label_control_decides", "model_rest_per_control",
 ]  # fmt: skip
 
 
@@ -57,13 +63,26 @@ def contrast_row(run: str, session, control, true, model, steps, labels) -> dict
     d_true, d_control, d_rest, d_model = (x[:, 1] - x[:, 0] for x in (true, control, rest, model))
     decided = labels != 0.5
     agreement = float(((d_model > 0) == (labels > 0.5))[decided].mean()) if decided.any() else None
+    control_decides = float(((d_control < 0) == (labels > 0.5))[decided].mean()) if decided.any() else None
     return {
         "run": run, "session": session, "pairs": len(labels), "control_per_step": float(control.sum() / steps.sum()),
         "d_control": float(np.abs(d_control).mean()), "d_rest": float(np.abs(d_rest).mean()),
         "label_control": correlation(d_true, -d_control), "label_rest": correlation(d_true, d_rest),
         "model_control": correlation(d_model, -d_control), "model_rest": correlation(d_model, d_rest),
-        "model_agreement": agreement,
+        "model_agreement": agreement, "label_control_decides": control_decides,
     }  # fmt: skip
+
+
+def rest_per_control(model, obs_actions: np.ndarray, control: np.ndarray, true: np.ndarray, chunk: int = 4096) -> float:
+    """b / a of the least-squares fit of the model's per-step reward (members' mean) to a * (-control) + b * rest + c,
+    over steps (obs_actions (T, D), control and true reward (T,)): the true reward's is 1."""
+    model.eval()
+    with torch.no_grad():
+        rows = torch.as_tensor(obs_actions, dtype=torch.float32).split(chunk)
+        learned = torch.cat([model(x).mean(0) for x in rows]).numpy().astype(np.float64)
+    design = np.stack([-control, true + control, np.ones_like(control)], axis=1).astype(np.float64)
+    (per_control, per_rest, _), *_ = np.linalg.lstsq(design, learned, rcond=None)
+    return float(per_rest / per_control)
 
 
 def run_rows(workdir: Path, run: str, name: str) -> list[dict]:
@@ -76,14 +95,21 @@ def run_rows(workdir: Path, run: str, name: str) -> list[dict]:
     obs_actions, masks = segments["obs_actions"], segments["masks"].astype(np.float32)
     control = weight * ((obs_actions[..., -action_dim:] ** 2).sum(-1) * masks).sum(-1)
     figures = {"control": control, "true": (segments["true_rewards"] * masks).sum(-1), "steps": masks.sum(-1)}
-    model, _ = load_reward_model(str(workdir / "models" / run / "latest"), env_id, obs_actions.shape[-1])
+    latest = workdir / "models" / run / "latest"
+    model, _ = load_reward_model(str(latest), env_id, obs_actions.shape[-1])
     figures["model"] = segment_returns(model, torch.as_tensor(obs_actions), torch.as_tensor(masks)).mean(0).numpy()
     sessions = label_column(label_file, "session")
     rows = [
         contrast_row(name, int(session), **{key: x[sessions == session] for key, x in figures.items()}, labels=labels[sessions == session])
         for session in np.unique(sessions)
     ]
-    return [*rows, contrast_row(name, "all", **figures, labels=labels)]
+    with np.load(latest / "replay_buffer.npz") as buffer:
+        steps = int(buffer["capacity"]) if bool(buffer["full"]) else int(buffer["pos"])
+        obs, actions, true = buffer["obs"][:steps], buffer["actions"][:steps], buffer["true_rewards"][:steps]
+    buffer_control = weight * (actions**2).sum(-1)
+    pooled = contrast_row(name, "all", **figures, labels=labels)
+    pooled["model_rest_per_control"] = rest_per_control(model, np.concatenate([obs, actions], -1), buffer_control, true)
+    return [*rows, pooled]
 
 
 def main() -> None:

@@ -6,6 +6,7 @@ from pathlib import Path
 import gymnasium as gym
 import numpy as np
 import pytest
+import torch
 from test_bench import bench_module
 from test_end_to_end import small_args
 
@@ -53,6 +54,40 @@ def test_ties_are_left_out_of_the_agreement(bench_modules):
     assert row["model_agreement"] == 1.0 and row["pairs"] == 10
 
 
+def test_the_share_of_labels_the_control_cost_alone_decides(bench_modules):
+    label_contrast, _ = bench_modules
+    x = pairs(400, seed=1)
+    by_torque = (x["control"][:, 1] < x["control"][:, 0]).astype(np.float32)  # the segment with less torque preferred
+    by_true = (x["true"][:, 1] > x["true"][:, 0]).astype(np.float32)
+    shared = {"control": x["control"], "true": x["true"], "model": x["true"], "steps": x["steps"]}
+    assert label_contrast.contrast_row("run", 1, **shared, labels=by_torque)["label_control_decides"] == 1.0
+    assert label_contrast.contrast_row("run", 1, **shared, labels=1 - by_torque)["label_control_decides"] == 0.0
+    mixed = label_contrast.contrast_row("run", 1, **shared, labels=by_true)["label_control_decides"]
+    expected = ((x["control"][:, 1] < x["control"][:, 0]) == (by_true > 0.5)).mean()
+    assert mixed == pytest.approx(expected) and 0.5 < mixed < 1.0  # the rest decides the others
+
+
+class LinearReward(torch.nn.Module):
+    """Three members paying a fixed linear function of the inputs (column 0 the control cost, column 1 the rest)."""
+
+    def __init__(self, per_control: float, per_rest: float):
+        super().__init__()
+        self.weights = torch.tensor([[-per_control, per_rest + 0.1 * member] for member in (-1, 0, 1)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weights @ x.T + 3.0  # (members, steps)
+
+
+def test_what_the_model_pays_for_the_rest_against_the_control_cost(bench_modules):
+    label_contrast, _ = bench_modules
+    rng = np.random.default_rng(2)
+    control, rest = rng.uniform(0, 2, 5000), rng.normal(0, 1, 5000)
+    inputs = np.stack([control, rest], 1).astype(np.float32)
+    true = rest - control
+    assert label_contrast.rest_per_control(LinearReward(1.0, 1.0), inputs, control, true, chunk=700) == pytest.approx(1.0)
+    assert label_contrast.rest_per_control(LinearReward(2.0, 0.5), inputs, control, true) == pytest.approx(0.25)
+
+
 def test_a_runs_rows_cover_its_sessions_and_read_the_envs_control_cost(bench_modules, chdir_tmp):
     label_contrast, _ = bench_modules
     sac_rlhf.main(small_args("source", total_timesteps=800))
@@ -69,6 +104,7 @@ def test_a_runs_rows_cover_its_sessions_and_read_the_envs_control_cost(bench_mod
     expected = 1e-3 * ((actions**2).sum(-1) * masks).sum() / masks.sum()
     assert pooled["control_per_step"] == pytest.approx(expected, rel=1e-5)
     assert 0.0 <= pooled["model_agreement"] <= 1.0
+    assert np.isfinite(pooled["model_rest_per_control"]) and all("model_rest_per_control" not in row for row in sessions)
 
 
 def test_the_ant_without_contact_forces_is_ant_v5_less_those_numbers(bench_modules):
