@@ -152,6 +152,19 @@ VARIANTS = {
     # the same with the cost weighed twice: the walking objective's std over those runs' buffers is 0.33 to 0.55, so a
     # learned reward at std 1 is about twice its scale and 1 prices torque against progress about as Ant-v5's 0.5 does
     "norm-reset-std1-linear-ctrl1": [*NORM_RESET_STD1_LINEAR, "--known-control-cost-weight", "1"],
+    # the even schedule's setting with each session's pairs those at the ensemble mean's decision boundary, from a pool
+    # 50 times the session's size: the Ant's labels follow the control cost on 97 % of pairs, so only near-ties in
+    # torque price forward progress, and its models pay progress 0.4 to 0.7 times as much against torque as Ant-v5 does
+    "norm-reset-std1-linear-entropy": [
+        *NORM_RESET_STD1_LINEAR,
+        "--preference-sampling",
+        "entropy",
+        "--preference-sampling-pool-factor",
+        "50",
+    ],
+    # the even schedule's setting with clips of 25 steps (1.25 s): a pair's difference in forward progress varies about
+    # as the clips' length, in torque as its square, so over 25 steps progress moves the labels twice as much as over 50
+    "norm-reset-std1-linear-short": [*NORM_RESET_STD1_LINEAR, "--segment-length", "25"],
 }
 # A variant that changes the algorithm rather than its settings runs an experiment's script, sac_rlhf.py changed by it.
 VARIANT_SCRIPTS = {
