@@ -569,7 +569,8 @@ MEASUREMENT_COLUMNS = {
         "return_ratio_last3",
     ],
     # per run (its sessions pooled) in docs/benchmarks/findings/gym-mujoco.md: what the labelled pairs differ in, and
-    # how the labels and the final reward model follow the control cost and the rest of the reward
+    # how the labels and the final reward model follow the control cost and the rest of the reward, the share of the
+    # labels the control cost alone decides and what the final model pays for the rest against it
     "label_contrast": [
         "run",
         "pairs",
@@ -581,6 +582,8 @@ MEASUREMENT_COLUMNS = {
         "model_control",
         "model_rest",
         "model_agreement",
+        "label_control_decides",
+        "model_rest_per_control",
     ],
     # per run and window of steps in docs/environments.md: what the labelled pairs of a run taught by an objective compared
     "objective_labels": ["run", "window", "pairs", "one_ends", "objective_per_step", "above", "d_per_step"],
