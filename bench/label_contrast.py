@@ -104,8 +104,8 @@ def run_rows(workdir: Path, run: str, name: str) -> list[dict]:
         for session in np.unique(sessions)
     ]
     with np.load(latest / "replay_buffer.npz") as buffer:
-        steps = int(buffer["capacity"]) if bool(buffer["full"]) else int(buffer["pos"])
-        obs, actions, true = buffer["obs"][:steps], buffer["actions"][:steps], buffer["true_rewards"][:steps]
+        stored = int(buffer["capacity"]) if bool(buffer["full"]) else int(buffer["pos"])
+        obs, actions, true = buffer["obs"][:stored], buffer["actions"][:stored], buffer["true_rewards"][:stored]
     buffer_control = weight * (actions**2).sum(-1)
     pooled = contrast_row(name, "all", **figures, labels=labels)
     pooled["model_rest_per_control"] = rest_per_control(model, np.concatenate([obs, actions], -1), buffer_control, true)

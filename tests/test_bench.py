@@ -388,8 +388,8 @@ def test_a_variant_that_changes_the_algorithm_runs_its_own_script_with_the_varia
 def test_feedback_efficiency_variants_are_valid_runs_that_differ_only_as_named():
     """bench/feedback_efficiency.py --variant: each variant's flags parse (by its own script's Args where it has one)
     and validate as sac_rlhf.py's own, and each QPA ablation is QPA with exactly its one part switched off (else the
-    ablation would measure something else too); the recent-queries, RUNE, near-tie, short-clip and fit-every-label
-    variants are the even schedule's with only their own settings changed."""
+    ablation would measure something else too); the recent-queries, RUNE, near-tie, short-clip, fit-every-label and
+    small-network variants are the even schedule's with only their own settings changed."""
     script = sweep.load_script("sac-rlhf")
     for env_id in ["Hopper-v5", "dm_control/walker-walk-v0"]:
         runs = {}
@@ -411,6 +411,8 @@ def test_feedback_efficiency_variants_are_valid_runs_that_differ_only_as_named()
         assert asdict(runs["norm-reset-std1-linear-entropy"]) == {**linear, **near_ties}
         assert asdict(runs["norm-reset-std1-linear-short"]) == {**linear, "segment_length": 25}
         assert asdict(runs["norm-reset-std1-linear-fit"]) == {**linear, "reward_net_target_accuracy": 1.0}
+        small = {"reward_net_hidden_layers": 1, "reward_net_hidden_dim": 64}
+        assert asdict(runs["norm-reset-std1-linear-small"]) == {**linear, **small}
         assert runs["pebble"] == script.Args(env_id=env_id)
         standardised = env_id.startswith("dm_control/")  # the suite's tuned inputs (README)
         assert runs["tuned"].reward_net_normalize_inputs == qpa["reward_net_normalize_inputs"] == standardised
