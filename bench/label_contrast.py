@@ -39,7 +39,7 @@ from frozen_reward import load_reward_model
 
 from cleanrlhf_utils.errors import need
 from cleanrlhf_utils.feedback import read_label_file
-from sac_rlhf import segment_returns
+from sac_rlhf import predict_reward_arrays, segment_returns
 
 COLUMNS = [
     "run", "session", "pairs", "control_per_step", "d_control", "d_rest", "label_control", "label_rest",
@@ -73,13 +73,10 @@ def contrast_row(run: str, session, control, true, model, steps, labels) -> dict
     }  # fmt: skip
 
 
-def rest_per_control(model, obs_actions: np.ndarray, control: np.ndarray, true: np.ndarray, chunk: int = 4096) -> float:
+def rest_per_control(model, obs_actions: np.ndarray, control: np.ndarray, true: np.ndarray) -> float:
     """b / a of the least-squares fit of the model's per-step reward (members' mean) to a * (-control) + b * rest + c,
     over steps (obs_actions (T, D), control and true reward (T,)): the true reward's is 1."""
-    model.eval()
-    with torch.no_grad():
-        rows = torch.as_tensor(obs_actions, dtype=torch.float32).split(chunk)
-        learned = torch.cat([model(x).mean(0) for x in rows]).numpy().astype(np.float64)
+    learned = predict_reward_arrays(model, torch.device("cpu"), obs_actions)[0].astype(np.float64)
     design = np.stack([-control, true + control, np.ones_like(control)], axis=1).astype(np.float64)
     (per_control, per_rest, _), *_ = np.linalg.lstsq(design, learned, rcond=None)
     return float(per_rest / per_control)
