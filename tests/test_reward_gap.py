@@ -7,7 +7,7 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
@@ -47,17 +47,24 @@ def frozen_bench():
 
 def test_a_frozen_reward_run_is_sac_on_the_loaded_model_which_it_never_changes(chdir_tmp):
     frozen_reward = frozen_bench()
-    sac_rlhf.main(small_args("source", total_timesteps=800))
+    sac_rlhf.main(small_args("source", total_timesteps=800, learned_reward_std=1.0))
     source = torch.load("models/source/latest/checkpoint.pt", weights_only=False)["reward_model"]
+    model = sac_rlhf.RewardEnsemble(source["input_mean"].shape[0], 3, 64, 3)
+    model.load_state_dict(source)
+    # the source run's SAC learned the reward at std 1 over its buffer: so does the frozen run, at that fixed scale
+    scale = 1.0 / float(model_predictions(model, final_state("source")["replay"]).std(dtype=np.float64))
 
     args = frozen_args("frozen", reward_model_from="models/source/latest", total_timesteps=700, evaluation_frequency=300)
     summary = frozen_reward.main(args)
     state = final_state("frozen")
     assert "reward_model" not in state["checkpoint"] and "labels_obtained" not in summary  # sac.py: no teacher, no labels
-    model = sac_rlhf.RewardEnsemble(source["input_mean"].shape[0], 3, 64, 3)
-    model.load_state_dict(source)
     replay = state["replay"]
-    np.testing.assert_allclose(replay["learned_rewards"], model_predictions(model, replay), rtol=0, atol=1e-6)  # what SAC learnt
+    assert summary["frozen_reward_scale"] == pytest.approx(scale, rel=1e-5) and abs(scale - 1) > 0.05
+    np.testing.assert_allclose(replay["learned_rewards"], scale * model_predictions(model, replay), rtol=1e-5, atol=1e-6)
+    unscaled = frozen_reward.main(replace(args, run_name="unscaled", learned_reward_std=0.0, total_timesteps=300))
+    assert unscaled["frozen_reward_scale"] == 1.0
+    unscaled_replay = final_state("unscaled")["replay"]
+    np.testing.assert_allclose(unscaled_replay["learned_rewards"], model_predictions(model, unscaled_replay), atol=1e-6)
     assert np.abs(replay["learned_rewards"]).max() > 0 and np.abs(replay["true_rewards"]).max() > 0  # the env's reward kept apart
     tags = scalars(Path("runs/frozen"))
     assert "exploration/intrinsic_reward" not in tags and not Path("models/frozen/400").exists()  # no exploration
@@ -88,7 +95,13 @@ def test_bad_frozen_reward_sources_are_refused_in_one_line(chdir_tmp):
     torch.save(saved, "resized.pt")
     with pytest.raises(sac_rlhf.ConfigError, match="takes 5 inputs, this run's observation and action have 14"):
         frozen_reward.main(frozen_args("resized", reward_model_from="resized.pt"))
-    assert not Path("runs/missing").exists() and not Path("runs/resized").exists()  # refused before anything is written
+    torch.save(torch.load("models/source/latest/checkpoint.pt", weights_only=False), "alone.pt")  # no buffer beside
+    with pytest.raises(sac_rlhf.ConfigError, match="no replay_buffer.npz beside its checkpoint"):
+        frozen_reward.main(frozen_args("alone", reward_model_from="alone.pt", learned_reward_std=1.0))
+    with pytest.raises(sac_rlhf.ConfigError, match="--learned-reward-std -1.0: must be >= 0"):
+        frozen_reward.main(frozen_args("negative", reward_model_from="models/source/latest", learned_reward_std=-1.0))
+    for refused in ("missing", "resized", "alone", "negative"):
+        assert not Path("runs", refused).exists()  # refused before anything is written
 
     command = [sys.executable, str(REPO / "bench/frozen_reward.py"), "--reward-model-from", "models/nope/latest"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=120)
