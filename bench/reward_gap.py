@@ -5,6 +5,7 @@ cut in two by SAC on the preference run's final reward model, frozen.
     python bench/reward_gap.py --tasks Walker2d-v5 --baseline-from A.json B.json C.json
         # reuses SAC's true-reward runs of bench/feedback_efficiency.py (same env, steps and evaluations)
     python bench/reward_gap.py --combine seeds12.json seed3.json --output cheetah.json   # one table from several invocations
+    python bench/reward_gap.py --tasks Walker2d-v5 --reuse-finished   # reads the runs --workdir finished with these flags
 
 Per task and seed, three runs, all but frozen side by side, one torch thread each:
   sac       sac.py on the true reward;
@@ -14,7 +15,12 @@ Per task and seed, three runs, all but frozen side by side, one torch thread eac
             exploration, no teacher (started when its online run ends).
 sac -> frozen is the cost of the reward's shape; frozen -> online the cost of the online loop (when the labels come,
 the relabels, the critic reset, exploration). The frozen reward is the final one, which the online agent only met at
-its last session: frozen above online says the loop, not the reward, loses the return.
+its last session: frozen above online says the loop, not the reward, loses the return. The frozen run learns the model's
+reward at the scale the online run's SAC last learned it (bench/frozen_reward.py's --learned-reward-std, set to the
+online run's).
+--reuse-finished reads, instead of running, a run of any kind that finished in --workdir with exactly the flags this
+invocation would start it with (bench/feedback_efficiency.py's preference and SAC runs among them); a reused online
+run's frozen run is then looked for, or started, on that run's model.
 
 Reports per task, run kind and seed, and as medians with the interquartile range over seeds: the final evaluation
 return and the mean of the last three evaluations, each as a ratio to SAC; then what differs between the runs, from
@@ -34,8 +40,27 @@ import shlex
 import time
 from pathlib import Path
 
-from common import BENCH, REPO, machine_info, print_table, read_summary, results_path, run_pool, spread, start_script, write_json
-from feedback_efficiency import baseline_flags, earlier_baselines, eval_curve, last_evaluations_mean, pebble_flags
+from common import (
+    BENCH,
+    REPO,
+    earlier_run,
+    machine_info,
+    print_table,
+    read_summary,
+    results_path,
+    run_pool,
+    spread,
+    start_script,
+    write_json,
+)
+from feedback_efficiency import (
+    RECORDED_LATER,
+    baseline_flags,
+    earlier_baselines,
+    eval_curve,
+    last_evaluations_mean,
+    pebble_flags,
+)
 
 # The README's recommended settings per task (bench/feedback_efficiency.py --variant and label budget), those of its figures.
 TASKS = {
@@ -55,10 +80,8 @@ def task_settings(args, env_id: str) -> argparse.Namespace:
     defaults = TASKS.get(env_id, {"variant": "tuned", "labels": 200})
     feedback_frequency = args.feedback_frequency or max(1, int(0.9 * args.steps / args.sessions))
     chosen = {"variant": args.variant or defaults["variant"], "labels": args.labels or defaults["labels"]}
-    # No checkpoints: this benchmark has no --resume-unfinished (a frozen run needs its online run's final model); the
-    # tasks as they are, an episode ending on a fall where the env ends it
+    # No checkpoints: this benchmark has no --resume-unfinished (a frozen run needs its online run's final model)
     fixed = {"algorithm": "sac", "env_id": env_id, "feedback_frequency": feedback_frequency, "checkpoint_frequency": 0}
-    fixed["terminate_when_unhealthy"] = True
     return argparse.Namespace(**vars(args) | chosen | fixed)
 
 
@@ -67,16 +90,17 @@ def run_flags(settings, kind: str, seed: int, run_name: str, online_run: str, wo
     extra = shlex.split(settings.run_flags)
     if kind == "sac":
         return "sac.py", [*baseline_flags(settings, seed, run_name), *extra]
-    if kind == "frozen":  # sac.py's flags: the run differs from SAC in its reward only
-        model = workdir / "models" / online_run / "latest"
-        return str(BENCH / "frozen_reward.py"), [*baseline_flags(settings, seed, run_name), "--reward-model-from", str(model), *extra]
+    if kind == "frozen":  # sac.py's flags: the run differs from SAC in its reward only, at the online run's scale
+        scale = json.loads((workdir / "runs" / online_run / "args.json").read_text()).get("learned_reward_std", 0.0)
+        model = ["--reward-model-from", f"models/{online_run}/latest", "--learned-reward-std", str(scale)]
+        return str(BENCH / "frozen_reward.py"), [*baseline_flags(settings, seed, run_name), *model, *extra]
     return "sac_rlhf.py", [*pebble_flags(settings, seed, run_name), *extra, *shlex.split(settings.preference_flags)]
 
 
-def summary_row(workdir: Path, task: str, kind: str, seed: int, run_name: str) -> dict:
+def summary_row(workdir: Path, task: str, kind: str, seed: int, run_name: str, origin: str = "this invocation") -> dict:
     summary = read_summary(workdir, run_name)
     curve = eval_curve(workdir, run_name)
-    row = {"task": task, "kind": kind, "seed": seed, "run_name": run_name, "from": "this invocation"}
+    row = {"task": task, "kind": kind, "seed": seed, "run_name": run_name, "from": origin}
     row |= {"final_eval_return": summary["final_eval_return"], "last_return": last_evaluations_mean(curve), "eval_curve": curve}
     values = summary | {"final_q_value": mean_of(summary.get("final_qf1_values"), summary.get("final_qf2_values"))}
     if kind == "sac":  # SAC trains on the true reward: its "learned" reward is that one
@@ -141,6 +165,10 @@ def main() -> None:
     parser.add_argument("--sessions", type=int, default=10)
     parser.add_argument("--feedback-frequency", type=int, default=None, help="default: 0.9 x steps / sessions")
     parser.add_argument("--explore-steps", type=int, default=10_000)
+    parser.add_argument(
+        "--terminate-when-unhealthy", action=argparse.BooleanOptionalAction, default=True,
+        help="end an episode on a fall where the env does (--no-terminate-when-unhealthy: every run on the task without)",
+    )  # fmt: skip
     parser.add_argument("--evaluation-frequency", type=int, default=10_000)
     parser.add_argument("--evaluation-episodes", type=int, default=10)
     parser.add_argument(
@@ -152,6 +180,10 @@ def main() -> None:
     parser.add_argument(
         "--baseline-from", type=Path, nargs="+", default=None,
         help="results JSON of bench/feedback_efficiency.py: reuse their SAC runs for the tasks and settings they match",
+    )  # fmt: skip
+    parser.add_argument(
+        "--reuse-finished", action="store_true",
+        help="read, not run, a run that finished in --workdir with exactly the flags this invocation would start it with",
     )  # fmt: skip
     parser.add_argument("--parallel", type=int, default=2, help="runs at once (one torch thread each): the cores to use")
     parser.add_argument("--workdir", type=Path, default=REPO / "bench" / "workdir")
@@ -166,7 +198,7 @@ def main() -> None:
     if args.combine:
         combine(args.combine, args.output)
         return
-    args.workdir = args.workdir.resolve()  # the frozen runs name their online run's checkpoint by its full path
+    args.workdir = args.workdir.resolve()
 
     stamp, machine = f"{int(time.time())}_{os.getpid()}", machine_info()
     settings = {task: task_settings(args, task) for task in args.tasks}
@@ -183,6 +215,8 @@ def main() -> None:
         for seed in args.seeds
     }
 
+    finished = set()  # (task, kind, seed) read from --workdir (--reuse-finished), under the name names[] then holds
+
     def jobs(kinds_now: list[str]) -> tuple[list, list[str]]:
         starts, labels = [], []
         for task in args.tasks:
@@ -192,6 +226,11 @@ def main() -> None:
                         continue
                     name = names[task, kind, seed]
                     script, flags = run_flags(settings[task], kind, seed, name, names[task, "online", seed], args.workdir)
+                    if args.reuse_finished and (earlier := earlier_run(args.workdir, script, flags, finished=True)):
+                        print(f"reusing {earlier.name}: {kind} run, finished with the same flags")
+                        names[task, kind, seed] = earlier.name
+                        finished.add((task, kind, seed))
+                        continue
                     starts.append(functools.partial(start_script, script, flags, args.workdir, log=args.workdir / f"{name}.log"))
                     labels.append(name)
         return starts, labels
@@ -207,7 +246,8 @@ def main() -> None:
                 if kind == "sac" and seed in reused[task]:
                     rows.append(reused_row(task, seed, reused[task][seed]))
                 else:
-                    rows.append(summary_row(args.workdir, task, kind, seed, names[task, kind, seed]))
+                    origin = "--reuse-finished" if (task, kind, seed) in finished else "this invocation"
+                    rows.append(summary_row(args.workdir, task, kind, seed, names[task, kind, seed], origin))
     resolved = {task: {k: getattr(s, k) for k in ("variant", "labels", "feedback_frequency")} for task, s in settings.items()}
     shared = {"workdir": str(args.workdir), "output": str(args.output), "baseline_from": [str(p) for p in args.baseline_from or []]}
     report(
@@ -229,7 +269,10 @@ def report(rows: list[dict], header: dict, output: Path) -> None:
 
 
 # What two results must share to be one table: the runs' settings (a seed set and its output may differ).
-COMBINED_SETTINGS = ("steps", "sessions", "explore_steps", "evaluation_frequency", "evaluation_episodes", "run_flags", "preference_flags")
+COMBINED_SETTINGS = (
+    "steps", "sessions", "explore_steps", "evaluation_frequency", "evaluation_episodes", "run_flags", "preference_flags",
+    "terminate_when_unhealthy",
+)  # fmt: skip
 
 
 def combine(paths: list[Path], output: Path) -> None:
@@ -240,8 +283,9 @@ def combine(paths: list[Path], output: Path) -> None:
     for path, result in zip(paths, results):
         settings = result["settings"]
         for key in COMBINED_SETTINGS:
-            if settings.get(key) != first.get(key):
-                raise SystemExit(f"error: --combine: {path} ran with {key}={settings.get(key)!r}, {paths[0]} with {first.get(key)!r}")
+            ran, first_ran = (earlier.get(key, RECORDED_LATER.get(key)) for earlier in (settings, first))
+            if ran != first_ran:
+                raise SystemExit(f"error: --combine: {path} ran with {key}={ran!r}, {paths[0]} with {first_ran!r}")
         for task, resolved in settings["tasks_resolved"].items():
             earlier = next(r["settings"]["tasks_resolved"][task] for r in results if task in r["settings"]["tasks_resolved"])
             if {k: resolved[k] for k in ("variant", "labels")} != {k: earlier[k] for k in ("variant", "labels")}:

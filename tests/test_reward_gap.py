@@ -268,11 +268,12 @@ def test_the_reward_gap_bench_runs_the_three_kinds_and_freezes_the_online_runs_m
     report = json.loads((tmp_path / "gap.json").read_text())
     rows = {row["kind"]: row for row in report["rows"]}
     assert sorted(rows) == ["frozen", "online", "sac"] and all(row["seed"] == 1 for row in report["rows"])
-    assert rows["frozen"]["reward_model_from"] == str(tmp_path / "work" / "models" / rows["online"]["run_name"] / "latest")
+    assert rows["frozen"]["reward_model_from"] == f"models/{rows['online']['run_name']}/latest"  # from the workdir
     online = json.loads((tmp_path / "work" / "runs" / rows["online"]["run_name"] / "args.json").read_text())
     assert online["teacher_feedback_total_queries"] == 10 and online["teacher_feedback_schedule"] == "linear"  # tuned
     frozen = json.loads((tmp_path / "work" / "runs" / rows["frozen"]["run_name"] / "args.json").read_text())
     assert frozen["exp_name"] == "frozen" and "teacher_feedback_mode" not in frozen  # sac.py's settings: no teacher
+    assert frozen["learned_reward_std"] == online["learned_reward_std"]  # the scale the online run's SAC learned at
     for row in rows.values():
         assert [step for step, _ in row["eval_curve"]] == [250, 500]
         assert row["final_eval_return"] == pytest.approx(row["eval_curve"][-1][1], rel=1e-5)
@@ -283,6 +284,17 @@ def test_the_reward_gap_bench_runs_the_three_kinds_and_freezes_the_online_runs_m
     assert kinds["sac"]["final_eval_return_ratio"]["median"] == 1.0
     assert report["settings"]["tasks_resolved"]["Hopper-v5"] == {"variant": "tuned", "labels": 10, "feedback_frequency": 225}
     assert "median [interquartile range]" in result.stdout
+
+    # --reuse-finished: every run finished in the workdir with these flags is read, none started
+    runs_before = sorted((tmp_path / "work" / "runs").iterdir())
+    again = [*command[: command.index("--output")], "--output", str(tmp_path / "again.json"), "--reuse-finished"]
+    result = subprocess.run(again, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert sorted((tmp_path / "work" / "runs").iterdir()) == runs_before
+    reread = {row["kind"]: row for row in json.loads((tmp_path / "again.json").read_text())["rows"]}
+    for kind, row in rows.items():
+        assert reread[kind]["from"] == "--reuse-finished" and reread[kind]["run_name"] == row["run_name"]
+        assert reread[kind]["eval_curve"] == row["eval_curve"]
 
 
 def test_reward_gap_refuses_frozen_without_online(tmp_path):
@@ -346,7 +358,14 @@ def test_combine_reports_the_runs_of_several_invocations_as_one_table_and_refuse
     assert [(row["kind"], row["seed"]) for row in rows].count(("sac", 1)) == 1 and len(rows) == 9
 
     other_steps = gap_result(tmp_path / "c.json", {("sac", 4): 1, ("frozen", 4): 1, ("online", 4): 1}, steps=50_000)
-    for extra, message in [(other_steps, "ran with steps=50000"), (seed1, "more than one run of (task, kind, seed)")]:
+    no_fall_end = gap_result(tmp_path / "d.json", {("sac", 5): 1, ("frozen", 5): 1, ("online", 5): 1})
+    recorded = json.loads(no_fall_end.read_text())
+    no_fall_end.write_text(json.dumps(recorded | {"settings": recorded["settings"] | {"terminate_when_unhealthy": False}}))
+    for extra, message in [
+        (other_steps, "ran with steps=50000"),
+        (no_fall_end, "ran with terminate_when_unhealthy=False"),  # a result that predates the setting ended on falls
+        (seed1, "more than one run of (task, kind, seed)"),
+    ]:
         refused = subprocess.run([*bench, str(seed1), str(extra), "--output", str(tmp_path / "x.json")], capture_output=True, text=True)
         assert refused.returncode != 0 and message in refused.stderr and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
         assert not (tmp_path / "x.json").exists()
