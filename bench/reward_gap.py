@@ -12,10 +12,13 @@ Per task and seed, three runs, all but frozen side by side, one torch thread eac
   online    sac_rlhf.py, the online loop with the task's recommended settings (TASKS: bench/feedback_efficiency.py's
             --variant and label budget, 10 sessions every 0.9 x steps / 10 steps after 10k exploration steps);
   frozen    bench/frozen_reward.py: sac.py with its settings on the online run's final reward model, never updated, no
-            exploration, no teacher (started when its online run ends).
+            exploration, no teacher (started when its online run ends);
+  oracle    (only when --kinds names it) bench/oracle_loop.py: the online run's loop and flags, SAC learning the env's
+            reward wherever it would learn the model's (at the same --learned-reward-std).
 sac -> frozen is the cost of the reward's shape; frozen -> online the cost of the online loop (when the labels come,
 the relabels, the critic reset, exploration). The frozen reward is the final one, which the online agent only met at
-its last session: frozen above online says the loop, not the reward, loses the return. The frozen run learns the model's
+its last session: frozen above online says the loop, not the reward, loses the return; sac -> oracle is what the loop
+costs with a reward of the right shape. The frozen run learns the model's
 reward at the scale the online run's SAC last learned it (bench/frozen_reward.py's --learned-reward-std, set to the
 online run's).
 --reuse-finished reads, instead of running, a run of any kind that finished in --workdir with exactly the flags this
@@ -67,7 +70,7 @@ TASKS = {
     "dm_control/cheetah-run-v0": {"variant": "qpa", "labels": 100},
     "Walker2d-v5": {"variant": "tuned", "labels": 200},
 }
-KINDS = ("sac", "frozen", "online")
+KINDS = ("sac", "oracle", "frozen", "online")
 # summary.json figures reported per run (those a run lacks, e.g. sac.py's reward-model metrics, are left empty)
 MEASURES = (
     "reward_correlation", "segment_correlation", "heldout_accuracy", "learned_reward_mean", "learned_reward_std",
@@ -94,7 +97,8 @@ def run_flags(settings, kind: str, seed: int, run_name: str, online_run: str, wo
         scale = json.loads((workdir / "runs" / online_run / "args.json").read_text()).get("learned_reward_std", 0.0)
         model = ["--reward-model-from", f"models/{online_run}/latest", "--learned-reward-std", str(scale)]
         return str(BENCH / "frozen_reward.py"), [*baseline_flags(settings, seed, run_name), *model, *extra]
-    return "sac_rlhf.py", [*pebble_flags(settings, seed, run_name), *extra, *shlex.split(settings.preference_flags)]
+    script = str(BENCH / "oracle_loop.py") if kind == "oracle" else "sac_rlhf.py"
+    return script, [*pebble_flags(settings, seed, run_name), *extra, *shlex.split(settings.preference_flags)]
 
 
 def summary_row(workdir: Path, task: str, kind: str, seed: int, run_name: str, origin: str = "this invocation") -> dict:

@@ -97,7 +97,7 @@ SLOW = {
     "test_reward_gap.py::test_a_preference_run_logs_the_measurements_at_sessions_and_sac_its_entropy": "runs",
     "test_reward_gap.py::test_a_run_starts_sac_afresh_after_sessions_that_change_the_reward_and_resumes_exactly": "runs",
     "test_reward_gap.py::test_the_oracle_loop_gives_sac_the_envs_reward_times_its_scale_where_pebble_gives_the_models": "a run",
-    "test_reward_gap.py::test_the_reward_gap_bench_runs_the_three_kinds_and_freezes_the_online_runs_model": "a benchmark",
+    "test_reward_gap.py::test_the_reward_gap_bench_runs_its_kinds_on_one_seed_and_reads_them_back_when_reused": "a benchmark",
     "test_reward_gap.py::test_combine_reports_the_runs_of_several_invocations_as_one_table_and_refuses_unlike_ones": "benchmarks",
     "test_robust_labels.py::test_a_rime_run_logs_its_selection_and_checkpoints_its_state": "runs",
     "test_robust_labels.py::test_a_rime_run_interrupted_in_its_second_reward_update_resumes_exactly": "runs, resumed",

@@ -251,7 +251,7 @@ def test_a_run_starts_sac_afresh_after_sessions_that_change_the_reward_and_resum
 # ----------------------------------------------------------------------------------------
 # bench/reward_gap.py
 # ----------------------------------------------------------------------------------------
-def test_the_reward_gap_bench_runs_the_three_kinds_and_freezes_the_online_runs_model(tmp_path):
+def test_the_reward_gap_bench_runs_its_kinds_on_one_seed_and_reads_them_back_when_reused(tmp_path):
     run_flags = "--learning-starts 100 --batch-size 32 --actor-hidden-dim 32 --critic-hidden-dim 32"
     preference_flags = (
         "--reward-net-hidden-dim 32 --reward-net-epochs 3 --segment-length 20 --max-augmentation-offset 5 "
@@ -262,18 +262,24 @@ def test_the_reward_gap_bench_runs_the_three_kinds_and_freezes_the_online_runs_m
         "--explore-steps", "200", "--labels", "10", "--sessions", "2", "--evaluation-frequency", "250",
         "--evaluation-episodes", "1", f"--run-flags={run_flags}", f"--preference-flags={preference_flags}",
         "--workdir", str(tmp_path / "work"), "--output", str(tmp_path / "gap.json"), "--parallel", "2",
+        "--kinds", "sac", "online", "frozen", "oracle",
     ]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     report = json.loads((tmp_path / "gap.json").read_text())
     rows = {row["kind"]: row for row in report["rows"]}
-    assert sorted(rows) == ["frozen", "online", "sac"] and all(row["seed"] == 1 for row in report["rows"])
+    assert sorted(rows) == ["frozen", "online", "oracle", "sac"] and all(row["seed"] == 1 for row in report["rows"])
     assert rows["frozen"]["reward_model_from"] == f"models/{rows['online']['run_name']}/latest"  # from the workdir
     online = json.loads((tmp_path / "work" / "runs" / rows["online"]["run_name"] / "args.json").read_text())
     assert online["teacher_feedback_total_queries"] == 10 and online["teacher_feedback_schedule"] == "linear"  # tuned
     frozen = json.loads((tmp_path / "work" / "runs" / rows["frozen"]["run_name"] / "args.json").read_text())
     assert frozen["exp_name"] == "frozen" and "teacher_feedback_mode" not in frozen  # sac.py's settings: no teacher
     assert frozen["learned_reward_std"] == online["learned_reward_std"]  # the scale the online run's SAC learned at
+    oracle = json.loads((tmp_path / "work" / "runs" / rows["oracle"]["run_name"] / "args.json").read_text())
+    assert oracle["exp_name"] == "oracle_loop" and oracle["reward_scale"] == 1.0  # the online run's loop, the env's reward
+    assert {k: v for k, v in oracle.items() if k not in ("exp_name", "run_name", "reward_scale")} == {
+        k: v for k, v in online.items() if k not in ("exp_name", "run_name")
+    }
     for row in rows.values():
         assert [step for step, _ in row["eval_curve"]] == [250, 500]
         assert row["final_eval_return"] == pytest.approx(row["eval_curve"][-1][1], rel=1e-5)
@@ -287,7 +293,8 @@ def test_the_reward_gap_bench_runs_the_three_kinds_and_freezes_the_online_runs_m
 
     # --reuse-finished: every run finished in the workdir with these flags is read, none started
     runs_before = sorted((tmp_path / "work" / "runs").iterdir())
-    again = [*command[: command.index("--output")], "--output", str(tmp_path / "again.json"), "--reuse-finished"]
+    again = [str(tmp_path / "again.json") if arg == str(tmp_path / "gap.json") else arg for arg in command]
+    again.append("--reuse-finished")
     result = subprocess.run(again, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert sorted((tmp_path / "work" / "runs").iterdir()) == runs_before
