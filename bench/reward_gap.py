@@ -63,6 +63,7 @@ from feedback_efficiency import (
     eval_curve,
     last_evaluations_mean,
     pebble_flags,
+    run_tag,
 )
 
 # The README's recommended settings per task (bench/feedback_efficiency.py --variant and label budget), those of its figures.
@@ -86,6 +87,11 @@ def task_settings(args, env_id: str) -> argparse.Namespace:
     # No checkpoints: this benchmark has no --resume-unfinished (a frozen run needs its online run's final model)
     fixed = {"algorithm": "sac", "env_id": env_id, "feedback_frequency": feedback_frequency, "checkpoint_frequency": 0}
     return argparse.Namespace(**vars(args) | chosen | fixed)
+
+
+def gap_run_name(kind: str, task: str, seed: int, stamp: str) -> str:
+    """A run's name: a folder name whatever the env id (`dm_control/...`, `module:Id`)."""
+    return f"gap_{kind}_{run_tag(task, seed, stamp)}"
 
 
 def run_flags(settings, kind: str, seed: int, run_name: str, online_run: str, workdir: Path) -> tuple[str, list[str]]:
@@ -212,12 +218,7 @@ def main() -> None:
         reused[task] = earlier_baselines(paths, settings[task], "sac") if paths else {}
     # the online runs first (the longest); frozen runs after them, as they read the online runs' final models
     kinds = [kind for kind in dict.fromkeys(("online", "sac", *KINDS)) if kind in args.kinds and kind != "frozen"]
-    names = {
-        (task, kind, seed): f"gap_{kind}_{task.replace('/', '_')}_{seed}_{stamp}"
-        for task in args.tasks
-        for kind in KINDS
-        for seed in args.seeds
-    }
+    names = {(task, kind, seed): gap_run_name(kind, task, seed, stamp) for task in args.tasks for kind in KINDS for seed in args.seeds}
 
     finished = set()  # (task, kind, seed) read from --workdir (--reuse-finished), under the name names[] then holds
 

@@ -304,6 +304,16 @@ def test_the_reward_gap_bench_runs_its_kinds_on_one_seed_and_reads_them_back_whe
         assert reread[kind]["eval_curve"] == row["eval_curve"]
 
 
+def test_reward_gap_names_its_runs_as_folders_whatever_the_env_id():
+    from cleanrlhf_utils.run import check_run_name
+
+    reward_gap = bench_module("reward_gap")
+    for task in ("Hopper-v5", "dm_control/cheetah-run-v0", "ant_without_contact_forces:AntWithoutContactForces-v5"):
+        name = reward_gap.gap_run_name("oracle", task, 2, "17_4")
+        check_run_name(name)  # raises on a name that is not one folder
+        assert name.startswith("gap_oracle_") and name.endswith("_2_17_4")
+
+
 def test_reward_gap_refuses_frozen_without_online(tmp_path):
     command = [
         sys.executable, str(REPO / "bench/reward_gap.py"), "--tasks", "Hopper-v5", "--workdir", str(tmp_path / "work"),
