@@ -70,7 +70,7 @@ def load_reward_model(path: str, env_id: str, input_dim: int) -> tuple[RewardEns
     return model.eval(), settings
 
 
-def source_reward_scale(model: RewardEnsemble, path: str, learned_reward_std: float) -> float:
+def source_reward_scale(model: RewardEnsemble, path: str, learned_reward_std: float, dims: tuple[int, int, int]) -> float:
     """The factor that brings the model's reward to `learned_reward_std` over the source run's replay buffer, by the
     rule the source run rescaled with at every relabel (sac_rlhf.sac_reward_scale; 1 when none is asked)."""
     if learned_reward_std == 0:
@@ -82,9 +82,8 @@ def source_reward_scale(model: RewardEnsemble, path: str, learned_reward_std: fl
         f"deviation on (--learned-reward-std {learned_reward_std}; 0 learns the reward as the model gives it)",
     )
     with np.load(saved) as data:
-        capacity, obs_dim, action_dim = int(data["capacity"]), data["obs"].shape[1], data["actions"].shape[1]
-        state_dim = data["physics_states"].shape[1]
-    source = ReplayBuffer(capacity, obs_dim, action_dim, state_dim)
+        capacity = int(data["capacity"])
+    source = ReplayBuffer(capacity, *dims)  # dims: the observation, action and physics-state sizes
     source.load(saved)
     relabel_replay_buffer(model, source, torch.device("cpu"))
     return sac_reward_scale(source, SimpleNamespace(learned_reward_std=learned_reward_std))
@@ -112,7 +111,7 @@ def main(args: Args) -> dict:
     if args.learned_reward_std is None:
         args = replace(args, learned_reward_std=float(settings.get("learned_reward_std", 0.0)))
     need(args.learned_reward_std >= 0, f"--learned-reward-std {args.learned_reward_std}: must be >= 0")
-    scale = source_reward_scale(model, args.reward_model_from, args.learned_reward_std)
+    scale = source_reward_scale(model, args.reward_model_from, args.learned_reward_std, (obs_dim, action_dim, state_dim))
     summary = sac.main(args, objective=frozen_reward(model, args.reward_model_from, scale))
 
     rb = ReplayBuffer(min(args.buffer_size, args.total_timesteps), obs_dim, action_dim, state_dim)

@@ -39,7 +39,7 @@ from frozen_reward import load_reward_model
 
 from cleanrlhf_utils.errors import need
 from cleanrlhf_utils.feedback import read_label_file
-from sac_rlhf import predict_reward_arrays, segment_returns
+from sac_rlhf import segment_returns
 
 COLUMNS = [
     "run", "session", "pairs", "control_per_step", "d_control", "d_rest", "label_control", "label_rest",
@@ -73,10 +73,10 @@ def contrast_row(run: str, session, control, true, model, steps, labels) -> dict
     }  # fmt: skip
 
 
-def rest_per_control(model, obs_actions: np.ndarray, control: np.ndarray, true: np.ndarray) -> float:
-    """b / a of the least-squares fit of the model's per-step reward (members' mean) to a * (-control) + b * rest + c,
-    over steps (obs_actions (T, D), control and true reward (T,)): the true reward's is 1."""
-    learned = predict_reward_arrays(model, torch.device("cpu"), obs_actions)[0].astype(np.float64)
+def rest_per_control(learned: np.ndarray, control: np.ndarray, true: np.ndarray) -> float:
+    """b / a of the least-squares fit of the model's per-step reward `learned` to a * (-control) + b * rest + c, over
+    steps (all (T,)): the true reward's is 1."""
+    learned = learned.astype(np.float64)
     design = np.stack([-control, true + control, np.ones_like(control)], axis=1).astype(np.float64)
     (per_control, per_rest, _), *_ = np.linalg.lstsq(design, learned, rcond=None)
     return float(per_rest / per_control)
@@ -102,10 +102,10 @@ def run_rows(workdir: Path, run: str, name: str) -> list[dict]:
     ]
     with np.load(latest / "replay_buffer.npz") as buffer:
         stored = int(buffer["capacity"]) if bool(buffer["full"]) else int(buffer["pos"])
-        obs, actions, true = buffer["obs"][:stored], buffer["actions"][:stored], buffer["true_rewards"][:stored]
-    buffer_control = weight * (actions**2).sum(-1)
+        # a finished run's buffer holds the final model's ensemble mean in every row (its end fills the pending ones)
+        learned, actions, true = (buffer[key][:stored] for key in ("learned_rewards", "actions", "true_rewards"))
     pooled = contrast_row(name, "all", **figures, labels=labels)
-    pooled["model_rest_per_control"] = rest_per_control(model, np.concatenate([obs, actions], -1), buffer_control, true)
+    pooled["model_rest_per_control"] = rest_per_control(learned, weight * (actions**2).sum(-1), true)
     return [*rows, pooled]
 
 

@@ -7,7 +7,7 @@ cut in two by SAC on the preference run's final reward model, frozen.
     python bench/reward_gap.py --combine seeds12.json seed3.json --output cheetah.json   # one table from several invocations
     python bench/reward_gap.py --tasks Walker2d-v5 --reuse-finished   # reads the runs --workdir finished with these flags
 
-Per task and seed, three runs, all but frozen side by side, one torch thread each:
+Per task and seed, three runs (four with oracle), all but frozen side by side, one torch thread each:
   sac       sac.py on the true reward;
   online    sac_rlhf.py, the online loop with the task's recommended settings (TASKS: bench/feedback_efficiency.py's
             --variant and label budget, 10 sessions every 0.9 x steps / 10 steps after 10k exploration steps);
@@ -18,9 +18,8 @@ Per task and seed, three runs, all but frozen side by side, one torch thread eac
 sac -> frozen is the cost of the reward's shape; frozen -> online the cost of the online loop (when the labels come,
 the relabels, the critic reset, exploration). The frozen reward is the final one, which the online agent only met at
 its last session: frozen above online says the loop, not the reward, loses the return; sac -> oracle is what the loop
-costs with a reward of the right shape. The frozen run learns the model's
-reward at the scale the online run's SAC last learned it (bench/frozen_reward.py's --learned-reward-std, set to the
-online run's).
+costs with a reward of the right shape. The frozen run learns the model's reward at the scale the online run's SAC
+last learned it (bench/frozen_reward.py's --learned-reward-std, set to the online run's).
 --reuse-finished reads, instead of running, a run of any kind that finished in --workdir with exactly the flags this
 invocation would start it with (bench/feedback_efficiency.py's preference and SAC runs among them); a reused online
 run's frozen run is then looked for, or started, on that run's model.

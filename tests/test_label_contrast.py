@@ -67,26 +67,14 @@ def test_the_share_of_labels_the_control_cost_alone_decides(bench_modules):
     assert mixed == pytest.approx(expected) and 0.5 < mixed < 1.0  # the rest decides the others
 
 
-class LinearReward(torch.nn.Module):
-    """Three members paying a fixed linear function of the inputs (column 0 the control cost, column 1 the rest)."""
-
-    def __init__(self, per_control: float, per_rest: float):
-        super().__init__()
-        self.weights = torch.tensor([[-per_control, per_rest + 0.1 * member] for member in (-1, 0, 1)])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.weights @ x.T + 3.0  # (members, steps)
-
-
 def test_what_the_model_pays_for_the_rest_against_the_control_cost(bench_modules):
     label_contrast, _ = bench_modules
     rng = np.random.default_rng(2)
     control, rest = rng.uniform(0, 2, 5000), rng.normal(0, 1, 5000)
-    inputs = np.stack([control, rest], 1).astype(np.float32)
     true = rest - control
     fit = label_contrast.rest_per_control
-    assert fit(LinearReward(1.0, 1.0), inputs, control, true) == pytest.approx(1.0)
-    assert fit(LinearReward(2.0, 0.5), inputs, control, true) == pytest.approx(0.25)
+    assert fit(3.0 - control + rest, control, true) == pytest.approx(1.0)  # the true reward's price, shifted
+    assert fit(3.0 - 2.0 * control + 0.5 * rest, control, true) == pytest.approx(0.25)
 
 
 def test_a_runs_rows_cover_its_sessions_and_read_the_envs_control_cost(bench_modules, chdir_tmp):
@@ -106,6 +94,10 @@ def test_a_runs_rows_cover_its_sessions_and_read_the_envs_control_cost(bench_mod
     assert pooled["control_per_step"] == pytest.approx(expected, rel=1e-5)
     assert 0.0 <= pooled["model_agreement"] <= 1.0
     assert np.isfinite(pooled["model_rest_per_control"])
+    replay = np.load("models/source/latest/replay_buffer.npz")  # the fit reads the final model's rewards stored there
+    model, _ = label_contrast.load_reward_model("models/source/latest", "Hopper-v5", segments["obs_actions"].shape[-1])
+    predicted = sac_rlhf.predict_rewards(model, torch.as_tensor(np.concatenate([replay["obs"], replay["actions"]], -1)))[0]
+    np.testing.assert_array_equal(replay["learned_rewards"], predicted.numpy())
     assert all("model_rest_per_control" not in row for row in sessions)  # a run's final model: the pooled row only
 
 
