@@ -140,6 +140,15 @@ VARIANTS = {
     # and every session's pairs drawn from the agent's last 10 episodes (QPA's queries), so that the labels price the
     # states the agent reaches now: the Ant's final models overpaid their own agents' states over doing nothing
     "norm-reset-std1-linear-recent": [*NORM_RESET_STD1_LINEAR, "--qpa-query-episodes", "10"],
+    # and no state-entropy exploration first: SAC learns the learned reward from the first labels at step 1000, since
+    # PEBBLE's loop on Ant-v5's own reward reached 0.44 x and 0.11 x SAC with its 10k exploring steps, 0.80 x and
+    # 0.36 x without them (docs/benchmarks/findings/gym-mujoco.md)
+    "norm-reset-std1-linear-recent-noexplore": [
+        *NORM_RESET_STD1_LINEAR,
+        "--qpa-query-episodes",
+        "10",
+        "--no-unsupervised-exploration",
+    ],
     # and RUNE's optimism, strong and slow to decay: the Ant's models pay forward-moving states less than the rest and
     # disagree there twice as much; beta 5 makes the bonus spread 0.5 to 0.7 times as widely as the learned reward
     "norm-reset-std1-linear-rune": [*NORM_RESET_STD1_LINEAR, "--rune", "--rune-beta", "5", "--rune-beta-decay", "1e-5"],
