@@ -388,8 +388,9 @@ def test_a_variant_that_changes_the_algorithm_runs_its_own_script_with_the_varia
 def test_feedback_efficiency_variants_are_valid_runs_that_differ_only_as_named():
     """bench/feedback_efficiency.py --variant: each variant's flags parse (by its own script's Args where it has one)
     and validate as sac_rlhf.py's own, and each QPA ablation is QPA with exactly its one part switched off (else the
-    ablation would measure something else too); the recent-queries (with and without exploration), RUNE, near-tie, short-clip, fit-every-label and
-    small-network variants are the even schedule's with only their own settings changed."""
+    ablation would measure something else too); the recent-queries, RUNE, near-tie, short-clip, fit-every-label and
+    small-network variants are the even schedule's with only their own settings changed, and the no-exploration one
+    the recent-queries one with exploration off."""
     script = sweep.load_script("sac-rlhf")
     for env_id in ["Hopper-v5", "dm_control/walker-walk-v0"]:
         runs = {}
@@ -404,8 +405,8 @@ def test_feedback_efficiency_variants_are_valid_runs_that_differ_only_as_named()
         assert asdict(runs["qpa-no-hybrid"]) == {**qpa, "qpa_hybrid_ratio": 0.0}
         assert asdict(runs["qpa-no-crops"]) == {**qpa, "qpa_augmentations": 0}
         linear = asdict(runs["norm-reset-std1-linear"])
-        assert asdict(runs["norm-reset-std1-linear-recent"]) == {**linear, "qpa_query_episodes": 10}
         recent = asdict(runs["norm-reset-std1-linear-recent"])
+        assert recent == {**linear, "qpa_query_episodes": 10}
         assert asdict(runs["norm-reset-std1-linear-recent-noexplore"]) == {**recent, "unsupervised_exploration": False}
         rune = {"rune": True, "rune_beta": 5.0, "rune_beta_decay": 1e-5}
         assert asdict(runs["norm-reset-std1-linear-rune"]) == {**linear, **rune}
