@@ -366,8 +366,9 @@ def test_the_walking_objective_is_the_ants_reward_without_its_control_and_contac
 @pytest.mark.parametrize("variant", sorted(feedback_efficiency.VARIANT_SCRIPTS))
 def test_a_variant_that_changes_the_algorithm_runs_its_own_script_with_the_variants_flags(variant):
     """--variant norm-reset-std1-nonneg runs bench/nonnegative_reward.py (sac_rlhf.py with the shifted reward) and
-    norm-reset-std1-linear-ctrl bench/known_control_cost.py (with the action's control cost added): each script's Args
-    take the preference run's flags as sac_rlhf.py's do, and its runs are named by the script."""
+    norm-reset-std1-linear-ctrl bench/known_control_cost.py (with the action's control cost added),
+    norm-reset-std1-linear-recent-explorequeries bench/exploration_for_queries.py (the exploring steps out of SAC's
+    batches): each script's Args take the preference run's flags as sac_rlhf.py's do, and its runs are named by it."""
     from cleanrlhf_utils.cli import command_line_args
 
     script = Path(feedback_efficiency.VARIANT_SCRIPTS[variant])
@@ -381,7 +382,8 @@ def test_a_variant_that_changes_the_algorithm_runs_its_own_script_with_the_varia
     finally:
         sys.path.remove(str(REPO / "bench"))
     assert run.exp_name == script.stem and run.learned_reward_std == 1.0 and run.reset_actor_after_exploration
-    assert run.teacher_feedback_schedule == ("linear" if "-linear-ctrl" in variant else "exponential")
+    assert run.teacher_feedback_schedule == ("linear" if "-linear-" in variant else "exponential")
+    assert run.qpa_query_episodes == (10 if "-recent-" in variant else 0)
     assert getattr(run, "known_control_cost_weight", None) == {"-ctrl": 0.5, "ctrl1": 1.0}.get(variant[-5:])
 
 
@@ -390,7 +392,7 @@ def test_feedback_efficiency_variants_are_valid_runs_that_differ_only_as_named()
     and validate as sac_rlhf.py's own, and each QPA ablation is QPA with exactly its one part switched off (else the
     ablation would measure something else too); the recent-queries, RUNE, near-tie, short-clip, fit-every-label and
     small-network variants are the even schedule's with only their own settings changed, and the no-exploration one
-    the recent-queries one with exploration off."""
+    the recent-queries one with exploration off (the exploration-for-queries one: its settings, in its own script)."""
     script = sweep.load_script("sac-rlhf")
     for env_id in ["Hopper-v5", "dm_control/walker-walk-v0"]:
         runs = {}
@@ -408,6 +410,8 @@ def test_feedback_efficiency_variants_are_valid_runs_that_differ_only_as_named()
         recent = asdict(runs["norm-reset-std1-linear-recent"])
         assert recent == {**linear, "qpa_query_episodes": 10}
         assert asdict(runs["norm-reset-std1-linear-recent-noexplore"]) == {**recent, "unsupervised_exploration": False}
+        for_queries = asdict(runs["norm-reset-std1-linear-recent-explorequeries"])  # its script keeps exploration apart
+        assert for_queries == {**recent, "exp_name": "exploration_for_queries"}
         rune = {"rune": True, "rune_beta": 5.0, "rune_beta_decay": 1e-5}
         assert asdict(runs["norm-reset-std1-linear-rune"]) == {**linear, **rune}
         near_ties = {"preference_sampling": "entropy", "preference_sampling_pool_factor": 50}

@@ -477,6 +477,67 @@ def test_the_known_control_cost_experiment_takes_the_squared_action_off_the_scal
         known_control_cost.main(known_control_cost.Args(known_control_cost_weight=-1.0))
 
 
+def test_the_exploration_for_queries_experiment_keeps_sacs_batches_after_the_exploring_steps(monkeypatch):
+    """bench/exploration_for_queries.py: the relabel that ends exploration marks the buffer's size, later relabels
+    leave the mark, and from --learning-starts steps past it SAC's batches (QPA's recent share too) come only from
+    the slots after it, spread over all of them; until then they are PEBBLE's own. sac_rlhf.py is left as it was."""
+    import gymnasium as gym
+
+    from cleanrlhf_utils.buffers import ReplayBuffer
+
+    exploration_for_queries = bench_module("exploration_for_queries")
+    for name in ("LoopState", "sac_reward_scale", "reset_after_session", "sample_batch"):
+        monkeypatch.setattr(sac_rlhf, name, getattr(sac_rlhf, name))  # restored after the test
+    plain_sample_batch = sac_rlhf.sample_batch
+    exploration_for_queries.keep_exploration_out_of_sac()
+
+    rb = ReplayBuffer(3000, OBS_DIM, ACTION_DIM, 1)
+    rb.episode_ids[:] = np.arange(3000) // 100  # 100-step episodes
+    rb.pos, cpu = 1200, torch.device("cpu")
+    args = exploration_for_queries.Args(learning_starts=100, batch_size=256, actor_hidden_dim=32, critic_hidden_dim=32)
+    agent = sac_rlhf.SACAgent(OBS_DIM, gym.spaces.Box(-1.0, 1.0, (ACTION_DIM,), np.float32), args, cpu)
+    loop = sac_rlhf.LoopState()
+    loop.reward_scale = sac_rlhf.sac_reward_scale(rb, args)  # the relabel's order: the scale, then the critic reset
+    sac_rlhf.reset_after_session(agent, loop, 10, args)
+    assert loop.learning_from_preferences and loop.first_learning_slot == 1200 and "first_learning_slot" in asdict(loop)
+
+    def both_batches(hybrid: bool) -> tuple[np.ndarray, np.ndarray]:
+        split, _, _ = sac_rlhf.sample_batch(rb, np.random.default_rng(1), args, loop, hybrid, None, cpu)
+        plain, _, _ = plain_sample_batch(rb, np.random.default_rng(1), args, loop, hybrid, None, cpu)
+        return split, plain
+
+    rb.pos = 1299  # 99 steps past exploration: fewer than --learning-starts, PEBBLE's batches
+    split, plain = both_batches(hybrid=False)
+    assert np.array_equal(split, plain) and plain.min() < 1200
+    rb.pos = 3000
+    split, plain = both_batches(hybrid=False)
+    assert split.min() >= 1200 and split.min() < 1300 and split.max() > 2900 and plain.min() < 1200
+    args.qpa_query_episodes, args.qpa_hybrid_ratio = 25, 0.5  # the last 25 episodes reach back into exploration
+    split, plain = both_batches(hybrid=True)
+    assert split.min() >= 1200 and (split[:128] >= 500).all() and plain.min() < 1200
+
+    loop.reward_scale = sac_rlhf.sac_reward_scale(rb, args)  # a later session: the mark stays
+    sac_rlhf.reset_after_session(agent, loop, 20, args)
+    assert loop.first_learning_slot == 1200
+    monkeypatch.undo()
+    assert "first_learning_slot" not in asdict(sac_rlhf.LoopState())
+
+
+def test_the_exploration_for_queries_experiment_marks_where_a_real_runs_exploration_ended(tmp_path, monkeypatch):
+    """A short real run of bench/exploration_for_queries.py: the mark it keeps is the buffer's size at the end of
+    exploration (the exploration checkpoint's), and it reaches its end with the queries all asked."""
+    monkeypatch.chdir(tmp_path)
+    exploration_for_queries = bench_module("exploration_for_queries")
+    for name in ("LoopState", "sac_reward_scale", "reset_after_session", "sample_batch"):
+        monkeypatch.setattr(sac_rlhf, name, getattr(sac_rlhf, name))
+    args = exploration_for_queries.Args(**asdict(small_args("split")) | {"exp_name": "exploration_for_queries"})
+    summary = exploration_for_queries.main(args)
+    loop = final_state("split")["checkpoint"]["loop"]
+    with np.load("models/split/400/replay_buffer.npz") as explored:
+        assert 0 < loop["first_learning_slot"] == len(explored["obs"]) < 400  # Hopper's falls: reset steps not kept
+    assert loop["labels_obtained"] == 30 and summary["global_step"] == 1200
+
+
 @pytest.mark.parametrize("reset_actor", [False, True])
 def test_the_first_labels_reset_the_critic_and_only_when_asked_the_actor_and_temperature(reset_actor):
     import gymnasium as gym
