@@ -150,7 +150,7 @@ VARIANTS = {
         "--no-unsupervised-exploration",
     ],
     # and the exploring steps kept for the queries and out of SAC's batches once the first labels end exploration:
-    # without them the labels fell to 0.35 x on the Ant, where the loop on its own reward rose to 0.80 x
+    # with no exploration phase the Ant's labels fell to 0.35 x SAC, where the loop on its own reward rose to 0.80 x
     # (bench/exploration_for_queries.py, VARIANT_SCRIPTS)
     "norm-reset-std1-linear-recent-explorequeries": [*NORM_RESET_STD1_LINEAR, "--qpa-query-episodes", "10"],
     # and RUNE's optimism, strong and slow to decay: the Ant's models pay forward-moving states less than the rest and

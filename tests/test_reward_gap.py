@@ -477,6 +477,13 @@ def test_the_known_control_cost_experiment_takes_the_squared_action_off_the_scal
         known_control_cost.main(known_control_cost.Args(known_control_cost_weight=-1.0))
 
 
+def exploration_split(monkeypatch):
+    """bench/exploration_for_queries.py, with the sac_rlhf names it replaces restored after the test."""
+    for name in ("LoopState", "sac_reward_scale", "reset_after_session", "sample_batch"):
+        monkeypatch.setattr(sac_rlhf, name, getattr(sac_rlhf, name))
+    return bench_module("exploration_for_queries")
+
+
 def test_the_exploration_for_queries_experiment_keeps_sacs_batches_after_the_exploring_steps(monkeypatch):
     """bench/exploration_for_queries.py: the relabel that ends exploration marks the buffer's size, later relabels
     leave the mark, and from --learning-starts steps past it SAC's batches (QPA's recent share too) come only from
@@ -485,10 +492,8 @@ def test_the_exploration_for_queries_experiment_keeps_sacs_batches_after_the_exp
 
     from cleanrlhf_utils.buffers import ReplayBuffer
 
-    exploration_for_queries = bench_module("exploration_for_queries")
-    for name in ("LoopState", "sac_reward_scale", "reset_after_session", "sample_batch"):
-        monkeypatch.setattr(sac_rlhf, name, getattr(sac_rlhf, name))  # restored after the test
     plain_sample_batch = sac_rlhf.sample_batch
+    exploration_for_queries = exploration_split(monkeypatch)
     exploration_for_queries.keep_exploration_out_of_sac()
 
     rb = ReplayBuffer(3000, OBS_DIM, ACTION_DIM, 1)
@@ -527,9 +532,7 @@ def test_the_exploration_for_queries_experiment_marks_where_a_real_runs_explorat
     """A short real run of bench/exploration_for_queries.py: the mark it keeps is the buffer's size at the end of
     exploration (the exploration checkpoint's), and it reaches its end with the queries all asked."""
     monkeypatch.chdir(tmp_path)
-    exploration_for_queries = bench_module("exploration_for_queries")
-    for name in ("LoopState", "sac_reward_scale", "reset_after_session", "sample_batch"):
-        monkeypatch.setattr(sac_rlhf, name, getattr(sac_rlhf, name))
+    exploration_for_queries = exploration_split(monkeypatch)
     args = exploration_for_queries.Args(**asdict(small_args("split")) | {"exp_name": "exploration_for_queries"})
     summary = exploration_for_queries.main(args)
     loop = final_state("split")["checkpoint"]["loop"]
