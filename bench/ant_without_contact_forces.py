@@ -1,33 +1,24 @@
-"""Ant-v5 as Gymnasium builds it, less the 78 contact forces in its 105-number observation (Ant-v4's default, the
-27 numbers of the body's pose and velocities): an experiment on the reward model's inputs, where the contact
-forces outnumber the rest three to one and the learned reward misses the control cost that dominates the Ant's
-true reward. Both runs see the same observation. The module registers the id when imported (Gymnasium's
-"module:id" form); the benchmarks start their runs with bench/ on the import path:
+"""The benchmarks' name for Ant-v5 less its 78 contact-force inputs (cleanrlhf_utils/example_envs/
+ant_without_contact_forces.py registers it; importing this module does), and `walking`, a teacher's objective for
+either Ant: what a person sees of its task. The benchmarks start their runs with bench/ on the import path, so the
+"module:id" form is short there:
 
     python bench/feedback_efficiency.py --variant norm-reset-std1 --labels 500 --seeds 1 \\
         --env-id ant_without_contact_forces:AntWithoutContactForces-v5 --no-terminate-when-unhealthy
 
-`walking` is a teacher's objective for either Ant: what a person sees of its task. docs/benchmarks/findings/gym-mujoco.md
-has what both did."""
+docs/benchmarks/findings/gym-mujoco.md has what both did."""
 
-import gymnasium as gym
 import numpy as np
 
+from cleanrlhf_utils.example_envs.ant_without_contact_forces import ENV_ID
 from cleanrlhf_utils.objectives import ANT_NQ, qpos, qvel
 
-ENV_ID = "AntWithoutContactForces-v5"
+__all__ = ["ENV_ID", "walking"]  # the id, registered on import, for the benchmarks to read here
+
 ANT_NV = 14
 """Ant-v5's velocities: the torso's 6 and the 8 joints'"""
 HEALTHY_Z = (0.2, 1.0)
 """Ant-v5's healthy torso heights (metres)"""
-
-if ENV_ID not in gym.registry:
-    gym.register(
-        ENV_ID,
-        entry_point="gymnasium.envs.mujoco.ant_v5:AntEnv",
-        max_episode_steps=1000,
-        kwargs={"include_cfrc_ext_in_observation": False},
-    )
 
 
 def walking(obs: np.ndarray, actions: np.ndarray, states: np.ndarray) -> np.ndarray:

@@ -26,6 +26,7 @@ from cleanrlhf_utils.errors import ConfigError
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 WINDMILL = "cleanrlhf_utils.example_envs.windmill:Windmill-v0"
+ANT_WITHOUT_CONTACT_FORCES = "cleanrlhf_utils.example_envs.ant_without_contact_forces:AntWithoutContactForces-v5"
 
 STATELESS_MODULE = '''
 import gymnasium as gym
@@ -88,6 +89,25 @@ def test_windmill_is_a_mujoco_env_and_its_clips_render():
     finally:
         renderer.close()
     assert frames.shape == (2, 48, 64, 3) and not np.array_equal(frames[0], frames[1])  # the rotor turned
+
+
+def test_the_ant_without_contact_forces_is_ant_v5_less_those_numbers():
+    """scripts/Ant-v5.sh's env, built as the scripts build it: Ant-v5's physics, reward and episode, 27 numbers seen."""
+    full = make_env("Ant-v5", seed=3, terminate_when_unhealthy=False)()
+    less = make_env(ANT_WITHOUT_CONTACT_FORCES, seed=3, terminate_when_unhealthy=False)()
+    assert full.observation_space.shape == (105,) and less.observation_space.shape == (27,)
+    full_obs, _ = full.reset(seed=3)
+    less_obs, _ = less.reset(seed=3)
+    np.testing.assert_array_equal(full_obs[:27], less_obs)
+    rng = np.random.default_rng(0)
+    for _ in range(30):  # the same physics and reward (the contact cost is still charged), fewer numbers observed
+        action = rng.uniform(-1, 1, 8)
+        full_step, less_step = full.step(action), less.step(action)
+        np.testing.assert_array_equal(full_step[0][:27], less_step[0])
+        assert full_step[1:4] == less_step[1:4]
+    np.testing.assert_array_equal(get_physics_state(full), get_physics_state(less))
+    full.close()
+    less.close()
 
 
 def test_module_env_ids_that_do_not_resolve_are_refused_in_one_line():

@@ -1,9 +1,8 @@
-"""bench/label_contrast.py (what a run's labels tell apart in the control cost and the rest of the reward, and what its
-model learned of each) and bench/ant_without_contact_forces.py (Ant-v5 less its contact forces)."""
+"""bench/label_contrast.py: what a run's labels tell apart in the control cost and the rest of the reward, and what its
+model learned of each."""
 
 from pathlib import Path
 
-import gymnasium as gym
 import numpy as np
 import pytest
 import torch
@@ -17,8 +16,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def bench_modules():
-    return bench_module("label_contrast"), bench_module("ant_without_contact_forces")
+def label_contrast():
+    return bench_module("label_contrast")
 
 
 def pairs(n: int, seed: int = 0) -> dict[str, np.ndarray]:
@@ -28,8 +27,7 @@ def pairs(n: int, seed: int = 0) -> dict[str, np.ndarray]:
     return {"control": control, "rest": rest, "true": rest - control, "steps": np.full((n, 2), 50.0)}
 
 
-def test_a_model_that_learned_only_the_rest_shows_no_control_cost_where_the_labels_do(bench_modules):
-    label_contrast, _ = bench_modules
+def test_a_model_that_learned_only_the_rest_shows_no_control_cost_where_the_labels_do(label_contrast):
     x = pairs(400)
     labels = (x["true"][:, 1] > x["true"][:, 0]).astype(np.float32)
     shared = {"control": x["control"], "true": x["true"], "steps": x["steps"], "labels": labels}
@@ -43,8 +41,7 @@ def test_a_model_that_learned_only_the_rest_shows_no_control_cost_where_the_labe
     assert exact["d_control"] == pytest.approx(np.abs(x["control"][:, 1] - x["control"][:, 0]).mean())
 
 
-def test_ties_are_left_out_of_the_agreement(bench_modules):
-    label_contrast, _ = bench_modules
+def test_ties_are_left_out_of_the_agreement(label_contrast):
     x = pairs(10)
     labels = np.where(x["true"][:, 1] > x["true"][:, 0], 1.0, 0.0)
     labels[:5] = 0.5
@@ -54,8 +51,7 @@ def test_ties_are_left_out_of_the_agreement(bench_modules):
     assert row["model_agreement"] == 1.0 and row["pairs"] == 10
 
 
-def test_the_share_of_labels_the_control_cost_alone_decides(bench_modules):
-    label_contrast, _ = bench_modules
+def test_the_share_of_labels_the_control_cost_alone_decides(label_contrast):
     x = pairs(400, seed=1)
     by_torque = (x["control"][:, 1] < x["control"][:, 0]).astype(np.float32)  # the segment with less torque preferred
     by_true = (x["true"][:, 1] > x["true"][:, 0]).astype(np.float32)
@@ -67,8 +63,7 @@ def test_the_share_of_labels_the_control_cost_alone_decides(bench_modules):
     assert mixed == pytest.approx(expected) and 0.5 < mixed < 1.0  # the rest decides the others
 
 
-def test_what_the_model_pays_for_the_rest_against_the_control_cost(bench_modules):
-    label_contrast, _ = bench_modules
+def test_what_the_model_pays_for_the_rest_against_the_control_cost(label_contrast):
     rng = np.random.default_rng(2)
     control, rest = rng.uniform(0, 2, 5000), rng.normal(0, 1, 5000)
     true = rest - control
@@ -77,8 +72,7 @@ def test_what_the_model_pays_for_the_rest_against_the_control_cost(bench_modules
     assert fit(3.0 - 2.0 * control + 0.5 * rest, control, true) == pytest.approx(0.25)
 
 
-def test_a_runs_rows_cover_its_sessions_and_read_the_envs_control_cost(bench_modules, chdir_tmp):
-    label_contrast, _ = bench_modules
+def test_a_runs_rows_cover_its_sessions_and_read_the_envs_control_cost(label_contrast, chdir_tmp):
     sac_rlhf.main(small_args("source", total_timesteps=800))
     segments, labels = read_label_file("runs/source/labels.sqlite")
     rows = label_contrast.run_rows(Path("."), "source", "tiny")
@@ -99,20 +93,3 @@ def test_a_runs_rows_cover_its_sessions_and_read_the_envs_control_cost(bench_mod
     predicted = sac_rlhf.predict_rewards(model, torch.as_tensor(np.concatenate([replay["obs"], replay["actions"]], -1)))[0]
     np.testing.assert_array_equal(replay["learned_rewards"], predicted.numpy())
     assert all("model_rest_per_control" not in row for row in sessions)  # a run's final model: the pooled row only
-
-
-def test_the_ant_without_contact_forces_is_ant_v5_less_those_numbers(bench_modules):
-    _, module = bench_modules
-    full, less = gym.make("Ant-v5"), gym.make(module.ENV_ID)
-    assert full.observation_space.shape == (105,) and less.observation_space.shape == (27,)
-    full_obs, _ = full.reset(seed=3)
-    less_obs, _ = less.reset(seed=3)
-    np.testing.assert_array_equal(full_obs[:27], less_obs)
-    rng = np.random.default_rng(0)
-    for _ in range(30):  # the same physics and reward (the contact cost is still charged), fewer numbers observed
-        action = rng.uniform(-1, 1, 8)
-        full_step, less_step = full.step(action), less.step(action)
-        np.testing.assert_array_equal(full_step[0][:27], less_step[0])
-        assert full_step[1] == less_step[1] and full_step[2] == less_step[2]
-    full.close()
-    less.close()

@@ -63,6 +63,9 @@ def last_feedback_step(script, args, queries_per_session: int) -> int:
     return first + (sessions - 1) * args.teacher_feedback_frequency
 
 
+# A script that runs its task on a changed env: Ant-v5 less the contact forces its reward model misses the torque on.
+SCRIPT_ENVS = {"Ant-v5.sh": "cleanrlhf_utils.example_envs.ant_without_contact_forces:AntWithoutContactForces-v5"}
+
 # B-Pref's Meta-World budgets at its 50 labels every 5000 steps: more labels than 1M steps hold; the scripts say so.
 BUDGET_OUTLASTS_THE_RUN = {"button-press-v3.sh", "sweep-into-v3.sh"}
 
@@ -79,7 +82,8 @@ def test_run_scripts_parse_with_the_scripts_own_args(script):
     training_script.validate(args)
     # scripts/<ENV_ID>.sh: the file's path is the env it runs (dm_control/<task>-v0 in a folder); <ENV_ID>-demo.sh
     # is the README's short run of it, <ENV_ID>_qpa.sh its QPA setting
-    assert args.env_id == str(script.relative_to(REPO / "scripts").with_suffix("")).removesuffix("-demo").removesuffix("_qpa")
+    task = str(script.relative_to(REPO / "scripts").with_suffix("")).removesuffix("-demo").removesuffix("_qpa")
+    assert args.env_id == SCRIPT_ENVS.get(script.name, task)
     if program == "framework/sac_rlhf.py" and script.name not in BUDGET_OUTLASTS_THE_RUN:
         last = last_feedback_step(training_script.module, args, args.teacher_feedback_num_queries_per_session)
         assert last < args.total_timesteps, f"{script.name}: its last labels are due at step {last}, after the run's end"
