@@ -7,7 +7,7 @@
 # make ending an episode pay; HalfCheetah's three changes (standardised reward inputs, the actor started afresh after
 # exploration, the learned reward at std 1); and the budget spread evenly, 31 labels every 5k steps from 10k to 90k,
 # so that the late sessions price the states the agent reaches then. SAC on the same task, to compare with, is
-# framework/sac.py with the same --env-id and --no-terminate-when-unhealthy.
+# framework/sac.py with the same --env-id and --no-terminate-when-unhealthy (no end on a fall either)
 # Run from the repository root: bash scripts/Ant-v5.sh [more flags]
 set -euo pipefail
 python framework/sac_rlhf.py --preset gym-mujoco \
