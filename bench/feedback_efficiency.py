@@ -192,6 +192,10 @@ VARIANTS = {
         "--reward-net-hidden-dim",
         "64",
     ],
+    # the recent-queries setting with the reward model trained on inputs moved by half their std: the Ant's standing
+    # seeds' models pay their own agent's exact pose most and slow walks away from it below doing nothing
+    # (bench/reward_input_noise.py, VARIANT_SCRIPTS)
+    "norm-reset-std1-linear-recent-noise": [*NORM_RESET_STD1_LINEAR, "--qpa-query-episodes", "10"],
 }
 # A variant that changes the algorithm rather than its settings runs an experiment's script, sac_rlhf.py changed by it.
 VARIANT_SCRIPTS = {
@@ -199,6 +203,7 @@ VARIANT_SCRIPTS = {
     "norm-reset-std1-linear-ctrl": str(REPO / "bench" / "known_control_cost.py"),
     "norm-reset-std1-linear-ctrl1": str(REPO / "bench" / "known_control_cost.py"),
     "norm-reset-std1-linear-recent-explorequeries": str(REPO / "bench" / "exploration_for_queries.py"),
+    "norm-reset-std1-linear-recent-noise": str(REPO / "bench" / "reward_input_noise.py"),
 }
 
 

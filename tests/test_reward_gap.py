@@ -477,6 +477,42 @@ def test_the_known_control_cost_experiment_takes_the_squared_action_off_the_scal
         known_control_cost.main(known_control_cost.Args(known_control_cost_weight=-1.0))
 
 
+def test_the_reward_input_noise_experiment_moves_the_training_inputs_by_their_own_spread(monkeypatch):
+    """bench/reward_input_noise.py: in training mode the ensemble reads each input moved by --reward-input-noise times
+    that input's std over the buffer (so by that many standard deviations once standardised, whatever the column's
+    units); in eval mode (relabels, queries, accuracies) it reads the inputs as they are; sac_rlhf.py keeps its own
+    model, and a negative noise is refused in one line."""
+    reward_input_noise = bench_module("reward_input_noise")
+    monkeypatch.setattr(sac_rlhf.RewardEnsemble, "_forward", sac_rlhf.RewardEnsemble._forward)  # restored after
+    plain_forward = sac_rlhf.RewardEnsemble._forward
+    seen = []
+
+    class Reads(torch.nn.Module):  # stands in for the members' network: records what it is given
+        def forward(self, x):
+            seen.append(x.clone())
+            return torch.zeros(*x.shape[:-1], 1)
+
+    torch.manual_seed(0)
+    rows = np.random.default_rng(0).normal([0.0, 5.0, -3.0], [1.0, 10.0, 0.1], size=(4000, 3)).astype(np.float32)
+    model = sac_rlhf.RewardEnsemble(3, ensemble_size=2)
+    model.set_input_statistics(rows)
+    model.net = Reads()
+    sac_rlhf.RewardEnsemble._forward = reward_input_noise.noisy_while_training(plain_forward, 0.5)
+    x = torch.as_tensor(rows)
+    clean = (x - model.input_mean) / model.input_std
+    model.eval()
+    model(x)
+    assert torch.equal(seen[-1][0], clean)
+    model.train()
+    model(x)
+    moved = seen[-1] - clean  # (members, rows, columns), standardised units
+    assert moved.std(dim=(0, 1)).tolist() == pytest.approx([0.5, 0.5, 0.5], rel=0.05)
+    assert not torch.equal(seen[-1][0], seen[-1][1])  # each member's rows drawn afresh
+    with pytest.raises(sac_rlhf.ConfigError, match="--reward-input-noise must be >= 0, got -1.0"):
+        reward_input_noise.main(reward_input_noise.Args(reward_input_noise=-1.0))
+    assert sac_rlhf.RewardEnsemble._forward is not plain_forward and "reward_input_noise" not in sac_rlhf.Args.__dataclass_fields__
+
+
 def exploration_split(monkeypatch):
     """bench/exploration_for_queries.py, with the sac_rlhf names it replaces restored after the test."""
     for name in ("LoopState", "sac_reward_scale", "reset_after_session", "sample_batch"):
