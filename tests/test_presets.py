@@ -24,8 +24,9 @@ from cleanrlhf_utils.tracking import public_settings
 REPO = Path(__file__).resolve().parents[1]
 
 # Each run script's settings as one flag list, which plain tyro parses onto the dataclass defaults (the scripts' own
-# lists before the presets, git show 24a7afa:scripts/..., with the settings the findings gave Swimmer and Ant since). A script must still resolve exactly these settings: a preset value that drifts, or a script
-# flag dropped, fails here. (Written out, not read from git: the test needs no history and keeps failing after a rebase.)
+# lists before the presets, git show 24a7afa:scripts/..., with the settings the findings gave Swimmer and Ant since).
+# A script must still resolve exactly these settings: a preset value that drifts, or a script flag dropped, fails here.
+# (Written out, not read from git: the test needs no history and keeps failing after a rebase.)
 OLD_FLAGS = {
     "Ant-v5.sh": "--env-id cleanrlhf_utils.example_envs.ant_without_contact_forces:AntWithoutContactForces-v5 "
     "--no-terminate-when-unhealthy --total-timesteps 1000000 --total-explore-steps 10000 --teacher-feedback-total-queries 500 "

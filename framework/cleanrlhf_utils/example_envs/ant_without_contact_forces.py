@@ -4,7 +4,8 @@ episode's end are Ant-v5's; only what the agent and the reward model see is smal
 environment by changing a Gymnasium one: the module registers the id when imported, which Gymnasium's "module:id" form
 does first:
 
-    python framework/sac_rlhf.py --env-id cleanrlhf_utils.example_envs.ant_without_contact_forces:AntWithoutContactForces-v5
+    python framework/sac_rlhf.py --no-terminate-when-unhealthy \\
+        --env-id cleanrlhf_utils.example_envs.ant_without_contact_forces:AntWithoutContactForces-v5
 
 Why it exists: on Ant-v5 the contact forces outnumber the rest of the observation three to one, and a reward model
 learned from 500 labels on them missed the control cost that dominates the Ant's true reward. Without them PEBBLE and
