@@ -196,6 +196,14 @@ VARIANTS = {
     # seeds' models pay their own agent's exact pose most and slow walks away from it below doing nothing
     # (bench/reward_input_noise.py, VARIANT_SCRIPTS)
     "norm-reset-std1-linear-recent-noise": [*NORM_RESET_STD1_LINEAR, "--qpa-query-episodes", "10"],
+    # the same with noise of one std: at half a std one standing seed of three walked and two still stood
+    "norm-reset-std1-linear-recent-noise1": [
+        *NORM_RESET_STD1_LINEAR,
+        "--qpa-query-episodes",
+        "10",
+        "--reward-input-noise",
+        "1",
+    ],
 }
 # A variant that changes the algorithm rather than its settings runs an experiment's script, sac_rlhf.py changed by it.
 VARIANT_SCRIPTS = {
@@ -204,6 +212,7 @@ VARIANT_SCRIPTS = {
     "norm-reset-std1-linear-ctrl1": str(REPO / "bench" / "known_control_cost.py"),
     "norm-reset-std1-linear-recent-explorequeries": str(REPO / "bench" / "exploration_for_queries.py"),
     "norm-reset-std1-linear-recent-noise": str(REPO / "bench" / "reward_input_noise.py"),
+    "norm-reset-std1-linear-recent-noise1": str(REPO / "bench" / "reward_input_noise.py"),
 }
 
 

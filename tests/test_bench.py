@@ -391,8 +391,9 @@ def test_feedback_efficiency_variants_are_valid_runs_that_differ_only_as_named()
     """bench/feedback_efficiency.py --variant: each variant's flags parse (by its own script's Args where it has one)
     and validate as sac_rlhf.py's own, and each QPA ablation is QPA with exactly its one part switched off (else the
     ablation would measure something else too); the recent-queries, RUNE, near-tie, short-clip, fit-every-label and
-    small-network variants are the even schedule's with only their own settings changed, and the no-exploration one
-    the recent-queries one with exploration off (the exploration-for-queries one: its settings, in its own script)."""
+    small-network variants are the even schedule's with only their own settings changed, the no-exploration one the
+    recent-queries one with exploration off, the input-noise ones it with only their noise (in its own script), and
+    the exploration-for-queries one its settings, in its own script."""
     script = sweep.load_script("sac-rlhf")
     for env_id in ["Hopper-v5", "dm_control/walker-walk-v0"]:
         runs = {}
@@ -412,6 +413,9 @@ def test_feedback_efficiency_variants_are_valid_runs_that_differ_only_as_named()
         assert asdict(runs["norm-reset-std1-linear-recent-noexplore"]) == {**recent, "unsupervised_exploration": False}
         for_queries = asdict(runs["norm-reset-std1-linear-recent-explorequeries"])  # its script keeps exploration apart
         assert for_queries == {**recent, "exp_name": "exploration_for_queries"}
+        for suffix, noise in [("", 0.5), ("1", 1.0)]:
+            noisy = {"exp_name": "reward_input_noise", "reward_input_noise": noise}
+            assert asdict(runs[f"norm-reset-std1-linear-recent-noise{suffix}"]) == {**recent, **noisy}
         rune = {"rune": True, "rune_beta": 5.0, "rune_beta_decay": 1e-5}
         assert asdict(runs["norm-reset-std1-linear-rune"]) == {**linear, **rune}
         near_ties = {"preference_sampling": "entropy", "preference_sampling_pool_factor": 50}
